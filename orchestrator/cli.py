@@ -1,0 +1,261 @@
+"""The `orchestrate` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from . import __version__, protocol, render, service
+from .errors import UserError
+from .states import TaskState
+
+EPILOG = "The ledger lives in --home, else $ORCHESTRATE_HOME, else ~/.orchestrate."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchestrate", description="Batch orchestration and fault tolerance for distributed training on SLURM.", epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"orchestrate {__version__}")
+    p.add_argument("--home", help="folder of the ledger (default: $ORCHESTRATE_HOME or ~/.orchestrate)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def spec_args(sp):
+        sp.add_argument("spec", help="experiment spec (YAML)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a spec field (repeatable)")
+
+    sp = sub.add_parser("validate", help="check a spec and report every error with its field and line")
+    spec_args(sp)
+
+    sp = sub.add_parser("schema", help="print the spec's JSON Schema (for editors), or its reference as Markdown")
+    sp.add_argument("--markdown", action="store_true", help="the field reference as a Markdown table")
+
+    sp = sub.add_parser("submit", help="validate, expand the sweep and submit every task")
+    spec_args(sp)
+    sp.add_argument("--executor", choices=["local", "slurm"], help="default: slurm when sbatch is found, else local")
+    sp.add_argument("--dry-run", action="store_true", help="print the plan; submit and record nothing")
+    sp.add_argument("--wait", action="store_true", help="wait until every task ends; exit 0 only if all completed")
+    sp.add_argument("--json", action="store_true", help="print the plan or the final status as JSON")
+
+    sp = sub.add_parser("status", help="tasks with state, attempts, step, loss, throughput, heartbeat age")
+    sp.add_argument("experiment", nargs="?", help="id or name (a name means the newest experiment of that name)")
+    sp.add_argument("--json", action="store_true", help="machine-readable (format in the README)")
+    sp.add_argument("--all", action="store_true", help="every experiment with this name, not only the newest")
+
+    sp = sub.add_parser("logs", help="the output of one rank of one task")
+    sp.add_argument("experiment")
+    sp.add_argument("--task", type=int, default=0)
+    sp.add_argument("--rank", type=int, default=0)
+    sp.add_argument("-f", "--follow", action="store_true", help="keep printing until the task ends")
+
+    sp = sub.add_parser("events", help="the history of an experiment: every state change with its cause")
+    sp.add_argument("experiment")
+    sp.add_argument("--json", action="store_true")
+
+    sp = sub.add_parser("cancel", help="stop an experiment's live tasks (never requeued)")
+    sp.add_argument("experiment")
+    sp.add_argument("--task", type=int, help="only this task")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_validate(args) -> int:
+    home = service.home_dir(args.home)
+    plan = service.make_plan(args.spec, args.overrides, "local", home)
+    print(f"{args.spec}: valid, {len(plan.tasks)} task(s), world size {plan.resources.world_size} each")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from .spec import Spec
+
+    if args.markdown:
+        from .spec_doc import markdown_reference
+
+        print(markdown_reference())
+    else:
+        print(json.dumps(Spec.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_submit(args) -> int:
+    home = service.home_dir(args.home)
+    plan = service.make_plan(args.spec, args.overrides, args.executor, home)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(_dry_run_doc(plan), indent=2))
+        else:
+            print(_dry_run_text(plan))
+        return 0
+    ledger = service.open_ledger(home)
+    job_ids = service.submit(ledger, plan)
+    jobs = ", ".join(sorted(set(job_ids.values())))
+    print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})", file=sys.stderr)
+    print(f"run folder {plan.run_dir}", file=sys.stderr)
+    if not args.wait:
+        print(plan.experiment_id)
+        return 0
+    return _wait(ledger, plan.experiment_id, args.json)
+
+
+def _dry_run_doc(plan) -> dict:
+    doc = plan.summary()
+    if plan.executor == "slurm":
+        from .scheduler.slurm import render_batch_script
+
+        doc["sbatch_script"] = render_batch_script(plan)
+    return doc
+
+
+def _dry_run_text(plan) -> str:
+    from .plan import render_plan_text
+
+    text = render_plan_text(plan)
+    if plan.executor == "slurm":
+        from .scheduler.slurm import render_batch_script
+
+        text += "\n\n# the batch script that would be submitted (one job array):\n" + render_batch_script(plan)
+    return text + "\n(dry run: nothing submitted, nothing recorded)"
+
+
+def _wait(ledger, exp_id: str, as_json: bool) -> int:
+    from rich.console import Console, Group
+    from rich.live import Live
+
+    console = Console(stderr=True)
+    seen = 0
+    try:
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=2) as live:
+                while True:
+                    exp = _refresh_one(ledger, exp_id)
+                    live.update(Group(*render.status_tables(render.status_document(ledger, [exp]))))
+                    if TaskState(exp["state"]).terminal:
+                        break
+                    time.sleep(1.0)
+        else:
+            while True:
+                exp = _refresh_one(ledger, exp_id)
+                events = ledger.events(exp_id)
+                for e in events[seen:]:
+                    print(render.event_line(e), file=sys.stderr, flush=True)
+                seen = len(events)
+                if TaskState(exp["state"]).terminal:
+                    break
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; {exp_id} goes on. Follow it with `orchestrate status {exp_id}`, stop it with `orchestrate cancel {exp_id}`.", file=sys.stderr)
+        return 130
+    doc = render.status_document(ledger, [exp])
+    if as_json:
+        print(json.dumps(doc, indent=2))
+    else:
+        Console().print(*render.status_tables(doc))
+    return 0 if exp["state"] == TaskState.COMPLETED.value else 1
+
+
+def _refresh_one(ledger, exp_id: str) -> dict:
+    service.refresh(ledger, [ledger.experiment(exp_id)])
+    return ledger.experiment(exp_id)
+
+
+def cmd_status(args) -> int:
+    ledger = service.open_ledger(service.home_dir(args.home))
+    exps = service.resolve_experiment(ledger, args.experiment)
+    if args.experiment and not args.all:
+        exps = exps[:1]
+    service.refresh(ledger, exps)
+    exps = [ledger.experiment(e["id"]) for e in exps]
+    doc = render.status_document(ledger, exps)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    if not exps:
+        print("no experiments yet; start one with `orchestrate submit SPEC`")
+        return 0
+    from rich.console import Console
+
+    Console().print(*render.status_tables(doc))
+    return 0
+
+
+def cmd_events(args) -> int:
+    ledger = service.open_ledger(service.home_dir(args.home))
+    exp = service.resolve_experiment(ledger, args.experiment)[0]
+    service.refresh(ledger, [exp])
+    events = ledger.events(exp["id"])
+    if args.json:
+        print(json.dumps(events, indent=2))
+    else:
+        for e in events:
+            print(render.event_line(e))
+    return 0
+
+
+def cmd_logs(args) -> int:
+    ledger = service.open_ledger(service.home_dir(args.home))
+    exp = service.resolve_experiment(ledger, args.experiment)[0]
+    tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
+    if args.task not in tasks:
+        raise UserError(f"experiment {exp['id']} has tasks 0..{len(tasks) - 1}, not {args.task}")
+    path = protocol.log_path(tasks[args.task]["task_dir"], args.rank)
+    pos = 0
+    while True:
+        if path.exists():
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+                pos = fh.tell()
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        elif not args.follow:
+            raise UserError(f"no log for task {args.task} rank {args.rank} yet ({path}); the task may not have started")
+        if not args.follow:
+            return 0
+        exp = _refresh_one(ledger, exp["id"])
+        if TaskState(ledger.task(exp["id"], args.task)["state"]).terminal:
+            time.sleep(0.2)
+            if path.exists() and path.stat().st_size == pos:
+                return 0
+        time.sleep(1.0)
+
+
+def cmd_cancel(args) -> int:
+    ledger = service.open_ledger(service.home_dir(args.home))
+    exp = service.resolve_experiment(ledger, args.experiment)[0]
+    done = service.cancel(ledger, exp, args.task)
+    if done:
+        print(f"cancelling task(s) {', '.join(map(str, done))} of {exp['name']} ({exp['id']})")
+    else:
+        print(f"nothing to cancel: no live task in {exp['name']} ({exp['id']})")
+    return 0
+
+
+COMMANDS = {
+    "validate": cmd_validate,
+    "schema": cmd_schema,
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "events": cmd_events,
+    "cancel": cmd_cancel,
+}

@@ -1,0 +1,42 @@
+"""Errors meant for users: the CLI prints them without a traceback and exits non-zero."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message says what and how."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    path: str  # dotted field path, "" for the whole document
+    line: int | None  # 1-based line in the spec file, None when not from the file
+    message: str
+    source: str = ""  # file name, or "--set" for a command-line override
+
+    def render(self) -> str:
+        where = self.source or "<spec>"
+        if self.line is not None:
+            where = f"{where}:{self.line}"
+        field = f" {self.path}:" if self.path else ""
+        return f"{where}:{field} {self.message}"
+
+
+class SpecError(UserError):
+    """Every problem found in one spec, each with its field path and line."""
+
+    def __init__(self, issues: list[SpecIssue]):
+        self.issues = sorted(issues, key=lambda i: (i.line is None, i.line or 0, i.path))
+        n = len(self.issues)
+        head = f"{n} error{'s' if n != 1 else ''} in the experiment spec"
+        super().__init__(head + "\n" + "\n".join("  " + i.render() for i in self.issues))
+
+
+class SchedulerError(UserError):
+    """The scheduler refused or failed a request (message carries its own words)."""
+
+    exit_code = 3

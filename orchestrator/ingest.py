@@ -1,0 +1,136 @@
+"""Compute-node files -> ledger: heartbeats, metrics and launch records.
+
+Idempotent: heartbeats and metrics are upserts, and metrics are read from a saved
+byte offset, so ingesting the same files twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import protocol
+from .ledger import Ledger
+
+
+@dataclass
+class LaunchRecord:
+    key: str
+    job_id: str
+    restart_count: int
+    nodes: list[str]
+    world_size: int
+    started: float
+    node_records: list[dict] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+
+    @property
+    def ended(self) -> bool:
+        return len(self.node_records) >= max(1, len(self.nodes))
+
+    @property
+    def exit_code(self) -> int | None:
+        if not self.node_records:
+            return None
+        codes = [r["exit_code"] for r in self.node_records]
+        if all(c == 0 for c in codes):
+            return 0
+        if self.errors:  # the earliest recorded exception is the root cause
+            return min(self.errors, key=lambda e: e.get("time", 0))["exit_code"]
+        order = [protocol.ExitCode.USER_ERROR, protocol.ExitCode.OUT_OF_MEMORY, protocol.ExitCode.CANCELLED, protocol.ExitCode.REQUEUE]
+        for code in order:
+            if code in codes:
+                return int(code)
+        return next(c for c in codes if c != 0)
+
+    @property
+    def root_error(self) -> dict | None:
+        return min(self.errors, key=lambda e: e.get("time", 0)) if self.errors else None
+
+    @property
+    def ended_at(self) -> float | None:
+        return max(r.get("ended", 0) for r in self.node_records) if self.ended else None
+
+
+def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
+    """Every launch of a task that has a start record, oldest first."""
+    out = []
+    base = protocol.launches_dir(task_dir)
+    if not base.is_dir():
+        return out
+    for d in base.iterdir():
+        start = protocol.read_json(d / "start.json")
+        if not start:
+            continue
+        rec = LaunchRecord(
+            key=start["launch"],
+            job_id=str(start["job_id"]),
+            restart_count=int(start.get("restart_count", 0)),
+            nodes=list(start.get("nodes", [])),
+            world_size=int(start.get("world_size", 0)),
+            started=float(start["time"]),
+        )
+        for f in sorted(d.glob("node-*.json")):
+            if (r := protocol.read_json(f)) is not None:
+                rec.node_records.append(r)
+        for f in sorted(d.glob("rank-*.error.json")):
+            if (e := protocol.read_json(f)) is not None:
+                rec.errors.append(e)
+        out.append(rec)
+    return sorted(out, key=lambda r: (r.started, r.restart_count))
+
+
+def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path) -> None:
+    """Heartbeats and metrics of one task into the ledger, and its progress columns."""
+    hb_rows = []
+    hb_dir = protocol.heartbeat_dir(task_dir)
+    if hb_dir.is_dir():
+        for f in hb_dir.glob("rank-*.json"):
+            rec = protocol.read_json(f)
+            if not rec:
+                continue
+            hb_rows.append(
+                {
+                    "experiment_id": exp_id,
+                    "idx": idx,
+                    "rank": rec["rank"],
+                    "node": rec.get("node"),
+                    "pid": rec.get("pid"),
+                    "launch": rec.get("launch"),
+                    "step": rec.get("step"),
+                    "phase": rec.get("phase"),
+                    "step_time_s": rec.get("step_time_s"),
+                    "time": rec.get("time"),
+                }
+            )
+    mpath = protocol.metrics_path(task_dir)
+    offset = ledger.cursor(str(mpath))
+    metrics, new_offset = protocol.read_jsonl_from(mpath, offset)
+    metric_rows = [
+        {
+            "experiment_id": exp_id,
+            "idx": idx,
+            "step": m["step"],
+            "loss": m.get("loss"),
+            "lr": m.get("lr"),
+            "throughput": m.get("throughput"),
+            "time": m.get("time"),
+        }
+        for m in metrics
+        if "step" in m
+    ]
+    if not hb_rows and not metric_rows:
+        return
+    with ledger.tx():
+        ledger.upsert_heartbeats(hb_rows)
+        ledger.add_metrics(metric_rows)
+        ledger.set_cursor(str(mpath), new_offset)
+        fields = {}
+        if hb_rows:
+            fields["heartbeat_at"] = max(r["time"] or 0 for r in hb_rows)
+            fields["step"] = max(r["step"] or 0 for r in hb_rows)
+            fields["nodes"] = ",".join(sorted({r["node"] for r in hb_rows if r["node"]}))
+        if metric_rows:
+            last = max(metric_rows, key=lambda r: r["step"])
+            fields.update(loss=last["loss"], throughput=last["throughput"])
+        ledger.update_task(exp_id, idx, **fields)

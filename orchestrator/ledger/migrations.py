@@ -1,0 +1,152 @@
+"""Versioned, named schema migrations; ``PRAGMA user_version`` holds the number applied.
+
+Append new migrations at the end, never edit an applied one: a ledger created by an
+older release upgrades by running the ones it lacks, in order, each in a transaction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import sqlite_utils
+
+
+def _m001_initial(db: sqlite_utils.Database) -> None:
+    db["experiments"].create(
+        {
+            "id": str,
+            "name": str,
+            "state": str,
+            "executor": str,
+            "spec_path": str,
+            "run_dir": str,
+            "spec": str,  # resolved spec, JSON
+            "created_at": float,
+            "updated_at": float,
+        },
+        pk="id",
+    )
+    db["experiments"].create_index(["name", "created_at"])
+    db["tasks"].create(
+        {
+            "experiment_id": str,
+            "idx": int,
+            "params": str,  # JSON
+            "state": str,
+            "reason": str,
+            "task_dir": str,
+            "step": int,
+            "loss": float,
+            "updated_at": float,
+        },
+        pk=("experiment_id", "idx"),
+        foreign_keys=[("experiment_id", "experiments", "id")],
+    )
+    db["attempts"].create(
+        {
+            "experiment_id": str,
+            "idx": int,
+            "number": int,
+            "job_id": str,
+            "launch": str,  # protocol.launch_key of the launch that ran, once known
+            "state": str,
+            "reason": str,
+            "exit_code": int,
+            "nodes": str,
+            "submitted_at": float,
+            "started_at": float,
+            "ended_at": float,
+        },
+        pk=("experiment_id", "idx", "number"),
+    )
+    db["heartbeats"].create(
+        {
+            "experiment_id": str,
+            "idx": int,
+            "rank": int,
+            "node": str,
+            "pid": int,
+            "launch": str,
+            "step": int,
+            "phase": str,
+            "step_time_s": float,
+            "time": float,
+        },
+        pk=("experiment_id", "idx", "rank"),
+    )
+    db["metrics"].create(
+        {"experiment_id": str, "idx": int, "step": int, "loss": float, "lr": float, "throughput": float, "time": float},
+        pk=("experiment_id", "idx", "step"),
+    )
+    db["checkpoints"].create(
+        {"experiment_id": str, "idx": int, "step": int, "path": str, "state": str, "created_at": float},
+        pk=("experiment_id", "idx", "step"),
+    )
+    db["events"].create(
+        {
+            "id": int,
+            "time": float,
+            "experiment_id": str,
+            "idx": int,
+            "attempt": int,
+            "kind": str,
+            "old_state": str,
+            "new_state": str,
+            "cause": str,
+        },
+        pk="id",
+    )
+    db["events"].create_index(["experiment_id", "id"])
+    # where ingestion stopped in each append-only file, so re-reading is cheap and idempotent
+    db["cursors"].create({"path": str, "offset": int}, pk="path")
+
+
+def _m002_task_progress(db: sqlite_utils.Database) -> None:
+    # throughput, heartbeat age and the node list belong on the task row: status reads
+    # one row per task even with 10,000 tasks in the ledger
+    db["tasks"].add_column("throughput", float)
+    db["tasks"].add_column("heartbeat_at", float)
+    db["tasks"].add_column("nodes", str)
+    db["tasks"].add_column("checkpoint", str)
+    db["tasks"].add_column("job_id", str)
+    db["attempts"].add_column("error", str)  # the root-cause traceback of a failed attempt
+    db["tasks"].create_index(["state"])
+
+
+MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
+    ("001_initial", _m001_initial),
+    ("002_task_progress", _m002_task_progress),
+]
+
+
+def current_version(db: sqlite_utils.Database) -> int:
+    return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(db: sqlite_utils.Database, upto: int | None = None) -> list[str]:
+    """Apply missing migrations in order; returns the names applied."""
+    applied = []
+    target = len(MIGRATIONS) if upto is None else upto
+    while True:
+        version = current_version(db)
+        if version >= target:
+            return applied
+        name, fn = MIGRATIONS[version]
+        conn = db.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # re-check under the write lock: another process may have migrated meanwhile
+            if current_version(db) != version:
+                conn.execute("ROLLBACK")
+                continue
+            fn(db)
+            if "migrations" not in db.table_names():
+                db["migrations"].create({"version": int, "name": str, "applied_at": float}, pk="version")
+            db["migrations"].insert({"version": version + 1, "name": name, "applied_at": time.time()})
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        applied.append(name)

@@ -1,0 +1,271 @@
+"""The ledger: every experiment, task, attempt, heartbeat, metric and event.
+
+Only the login side writes it. Each state change and its event are written in
+one transaction, so no reader ever sees one without the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import sqlite_utils
+
+from .. import states
+from ..errors import UserError
+from ..states import AttemptState, TaskState
+from .migrations import migrate
+
+log = logging.getLogger(__name__)
+
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smbfs", "smb3", "beegfs", "ceph", "fuse.glusterfs", "glusterfs", "panfs", "fuse.sshfs", "wekafs"}
+
+
+def filesystem_type(path: str | os.PathLike) -> str | None:
+    """The type of the filesystem holding ``path``, from /proc/mounts (longest mount prefix)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, best_type = mnt, parts[2]
+    return best_type
+
+
+class Ledger:
+    def __init__(self, db: sqlite_utils.Database, clock: Callable[[], float] = time.time):
+        self.db = db
+        self.clock = clock
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, clock: Callable[[], float] = time.time) -> "Ledger":
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            raise UserError(f"cannot open the ledger at '{path}': {exc}; set ORCHESTRATE_HOME to a writable folder") from None
+        fstype = filesystem_type(path.parent)
+        if fstype in NETWORK_FS:
+            log.warning(
+                "the ledger %s is on a %s network filesystem; SQLite locking there is unreliable. "
+                "Set ORCHESTRATE_HOME to a local disk of the login node.",
+                path,
+                fstype,
+            )
+        db = sqlite_utils.Database(conn)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute("PRAGMA foreign_keys = ON")
+        if fstype not in NETWORK_FS:
+            db.enable_wal()  # readers never block the writer
+        migrate(db)
+        return cls(db, clock)
+
+    @classmethod
+    def memory(cls, clock: Callable[[], float] = time.time) -> "Ledger":
+        db = sqlite_utils.Database(memory=True)
+        migrate(db)
+        return cls(db, clock)
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[None]:
+        """A write transaction that takes the lock up front (no upgrade deadlocks)."""
+        conn = self.db.conn
+        if conn.in_transaction:
+            yield
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    # ------------------------------------------------------------ events
+
+    def event(
+        self,
+        experiment_id: str,
+        kind: str,
+        cause: str,
+        *,
+        idx: int | None = None,
+        attempt: int | None = None,
+        old: str | None = None,
+        new: str | None = None,
+    ) -> None:
+        self.db["events"].insert(
+            {
+                "time": self.clock(),
+                "experiment_id": experiment_id,
+                "idx": idx,
+                "attempt": attempt,
+                "kind": kind,
+                "old_state": old,
+                "new_state": new,
+                "cause": cause,
+            }
+        )
+
+    # ------------------------------------------------------------ experiments and tasks
+
+    def create_experiment(self, exp: dict, tasks: list[dict]) -> None:
+        now = self.clock()
+        with self.tx():
+            self.db["experiments"].insert({**exp, "state": TaskState.PENDING.value, "created_at": now, "updated_at": now})
+            self.event(exp["id"], "experiment.created", f"submitted {len(tasks)} task(s) from {exp['spec_path']}", new="PENDING")
+            for t in tasks:
+                self.db["tasks"].insert(
+                    {
+                        "experiment_id": exp["id"],
+                        "idx": t["idx"],
+                        "params": json.dumps(t["params"], sort_keys=True),
+                        "state": TaskState.PENDING.value,
+                        "task_dir": t["task_dir"],
+                        "updated_at": now,
+                    }
+                )
+
+    def delete_experiment(self, exp_id: str) -> None:
+        """Remove an experiment whose submission failed before anything ran."""
+        with self.tx():
+            for table in ("events", "metrics", "heartbeats", "attempts", "checkpoints", "tasks"):
+                self.db[table].delete_where("experiment_id = ?", [exp_id])
+            self.db["experiments"].delete_where("id = ?", [exp_id])
+
+    def experiment(self, exp_id: str) -> dict | None:
+        rows = list(self.db["experiments"].rows_where("id = ?", [exp_id]))
+        return rows[0] if rows else None
+
+    def find_experiments(self, ref: str | None = None, live_only: bool = False) -> list[dict]:
+        """All experiments (newest first), or those whose id is ``ref``, else named ``ref``."""
+        where, args = [], []
+        if ref:
+            exact = list(self.db["experiments"].rows_where("id = ?", [ref]))
+            if exact:
+                return exact
+            where.append("name = ?")
+            args.append(ref)
+        if live_only:
+            where.append("state not in ('COMPLETED', 'FAILED', 'CANCELLED')")
+        return list(
+            self.db["experiments"].rows_where(" and ".join(where) or None, args, order_by="created_at desc, id desc")
+        )
+
+    def tasks(self, exp_id: str) -> list[dict]:
+        return list(self.db["tasks"].rows_where("experiment_id = ?", [exp_id], order_by="idx"))
+
+    def task(self, exp_id: str, idx: int) -> dict:
+        return self.db["tasks"].get((exp_id, idx))
+
+    def set_task_state(self, exp_id: str, idx: int, new: TaskState, cause: str, reason: str | None = None) -> bool:
+        """Move a task to ``new`` if the transition table allows it; event and roll-up in one go."""
+        with self.tx():
+            row = self.task(exp_id, idx)
+            old = TaskState(row["state"])
+            if old == new:
+                return False
+            if not states.allowed(old, new):
+                log.debug("ignored %s/%s %s -> %s (%s)", exp_id, idx, old.value, new.value, cause)
+                return False
+            fields: dict[str, Any] = {"state": new.value, "updated_at": self.clock()}
+            if reason is not None:
+                fields["reason"] = reason
+            self.db["tasks"].update((exp_id, idx), fields)
+            self.event(exp_id, "task.state", cause, idx=idx, old=old.value, new=new.value)
+            self._roll_up(exp_id, cause)
+            return True
+
+    def update_task(self, exp_id: str, idx: int, **fields: Any) -> None:
+        self.db["tasks"].update((exp_id, idx), {**fields, "updated_at": self.clock()})
+
+    def _roll_up(self, exp_id: str, cause: str) -> None:
+        exp = self.experiment(exp_id)
+        rows = self.db.execute("select state from tasks where experiment_id = ?", [exp_id]).fetchall()
+        new = states.experiment_state(TaskState(r[0]) for r in rows)
+        if new.value != exp["state"]:
+            self.db["experiments"].update(exp_id, {"state": new.value, "updated_at": self.clock()})
+            self.event(exp_id, "experiment.state", cause, old=exp["state"], new=new.value)
+
+    # ------------------------------------------------------------ attempts
+
+    def attempts(self, exp_id: str, idx: int | None = None) -> list[dict]:
+        if idx is None:
+            return list(self.db["attempts"].rows_where("experiment_id = ?", [exp_id], order_by="idx, number"))
+        return list(self.db["attempts"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="number"))
+
+    def add_attempt(self, exp_id: str, idx: int, job_id: str, cause: str) -> int:
+        with self.tx():
+            row = self.db.execute(
+                "select coalesce(max(number), 0) from attempts where experiment_id = ? and idx = ?", [exp_id, idx]
+            ).fetchone()
+            number = row[0] + 1
+            self.db["attempts"].insert(
+                {
+                    "experiment_id": exp_id,
+                    "idx": idx,
+                    "number": number,
+                    "job_id": job_id,
+                    "state": AttemptState.PENDING.value,
+                    "submitted_at": self.clock(),
+                }
+            )
+            self.update_task(exp_id, idx, job_id=job_id)
+            self.event(exp_id, "attempt.submitted", cause, idx=idx, attempt=number, new="PENDING")
+            return number
+
+    def update_attempt(self, exp_id: str, idx: int, number: int, cause: str, **fields: Any) -> None:
+        """Update an attempt; a change of state is recorded as an event."""
+        with self.tx():
+            row = self.db["attempts"].get((exp_id, idx, number))
+            changes = {k: v for k, v in fields.items() if row.get(k) != v}
+            if not changes:
+                return
+            self.db["attempts"].update((exp_id, idx, number), changes)
+            if "state" in changes:
+                self.event(exp_id, "attempt.state", cause, idx=idx, attempt=number, old=row["state"], new=changes["state"])
+
+    # ------------------------------------------------------------ heartbeats, metrics, cursors
+
+    def upsert_heartbeats(self, rows: list[dict]) -> None:
+        if rows:
+            self.db["heartbeats"].upsert_all(rows, pk=("experiment_id", "idx", "rank"))
+
+    def heartbeats(self, exp_id: str, idx: int) -> list[dict]:
+        return list(self.db["heartbeats"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="rank"))
+
+    def add_metrics(self, rows: list[dict]) -> None:
+        if rows:
+            self.db["metrics"].upsert_all(rows, pk=("experiment_id", "idx", "step"))
+
+    def metrics(self, exp_id: str, idx: int) -> list[dict]:
+        return list(self.db["metrics"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
+
+    def cursor(self, path: str) -> int:
+        row = self.db.execute("select offset from cursors where path = ?", [path]).fetchone()
+        return row[0] if row else 0
+
+    def set_cursor(self, path: str, offset: int) -> None:
+        self.db["cursors"].upsert({"path": path, "offset": offset}, pk="path")
+
+    def events(self, exp_id: str) -> list[dict]:
+        return list(self.db["events"].rows_where("experiment_id = ?", [exp_id], order_by="id"))

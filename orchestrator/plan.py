@@ -1,0 +1,96 @@
+"""Spec -> submission plan: everything that will be written and submitted (pure)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import protocol
+from .spec import Resources, Spec
+from .sweep import TaskSpec
+
+
+@dataclass(frozen=True)
+class PlannedTask:
+    index: int
+    params: dict[str, Any]
+    task_dir: Path
+    config: dict  # written to task.json; what the trainer runs
+
+
+@dataclass(frozen=True)
+class Plan:
+    experiment_id: str
+    name: str
+    executor: str
+    spec_path: str
+    run_dir: Path
+    resources: Resources
+    max_parallel: int | None
+    spec: Spec
+    tasks: list[PlannedTask] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        r = self.resources
+        return {
+            "experiment": self.name,
+            "id": self.experiment_id,
+            "executor": self.executor,
+            "run_dir": str(self.run_dir),
+            "tasks": len(self.tasks),
+            "max_parallel": self.max_parallel,
+            "per_task": {
+                "nodes": r.nodes,
+                "ranks_per_node": r.tasks_per_node,
+                "world_size": r.world_size,
+                "cpus_per_rank": r.cpus_per_task,
+                "gpus_per_rank": r.gpus_per_task,
+                "time": r.time,
+            },
+            "params": [t.params for t in self.tasks],
+        }
+
+
+def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executor: str, spec_path: str, workdir: Path) -> Plan:
+    run_dir = workdir / f"{spec.name}-{experiment_id}"
+    planned = []
+    for t in tasks:
+        tdir = protocol.task_dir(run_dir, t.index)
+        config = t.spec.model_dump(mode="json")
+        config.pop("sweep", None)
+        config.update(
+            contract=protocol.CONTRACT_VERSION,
+            experiment_id=experiment_id,
+            index=t.index,
+            params=t.params,
+            task_dir=str(tdir),
+        )
+        planned.append(PlannedTask(t.index, t.params, tdir, config))
+    return Plan(
+        experiment_id=experiment_id,
+        name=spec.name,
+        executor=executor,
+        spec_path=spec_path,
+        run_dir=run_dir,
+        resources=spec.resources,
+        max_parallel=spec.sweep.max_parallel,
+        spec=spec,
+        tasks=planned,
+    )
+
+
+def render_plan_text(plan: Plan) -> str:
+    s = plan.summary()
+    per = s["per_task"]
+    lines = [
+        f"experiment {plan.name} ({plan.experiment_id}) -> {plan.executor} executor",
+        f"run folder  {plan.run_dir}",
+        f"tasks       {len(plan.tasks)}" + (f", at most {plan.max_parallel} at once" if plan.max_parallel else ""),
+        f"each task   {per['nodes']} node(s) x {per['ranks_per_node']} rank(s) = world size {per['world_size']}, "
+        f"{per['cpus_per_rank']} CPU(s) and {per['gpus_per_rank']} GPU(s) per rank, time limit {per['time']}",
+    ]
+    for t in plan.tasks:
+        lines.append(f"  task {t.index}: {json.dumps(t.params, sort_keys=True) if t.params else '(no sweep parameters)'}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Ledger rows -> what users read: the status document, tables, event lines (pure)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.table import Table
+
+from .ledger import Ledger
+
+
+def status_document(ledger: Ledger, experiments: list[dict], now: float | None = None) -> dict:
+    """The `status --json` document (its format is documented in the README)."""
+    now = time.time() if now is None else now
+    out = []
+    for exp in experiments:
+        attempts: dict[int, list[dict]] = {}
+        for a in ledger.attempts(exp["id"]):
+            attempts.setdefault(a["idx"], []).append(a)
+        tasks = []
+        for t in ledger.tasks(exp["id"]):
+            mine = attempts.get(t["idx"], [])
+            last = mine[-1] if mine else {}
+            tasks.append(
+                {
+                    "index": t["idx"],
+                    "params": json.loads(t["params"] or "{}"),
+                    "state": t["state"],
+                    "attempts": len(mine),
+                    "step": t["step"],
+                    "loss": t["loss"],
+                    "throughput": t["throughput"],
+                    "heartbeat_age_s": round(now - t["heartbeat_at"], 1) if t["heartbeat_at"] else None,
+                    "nodes": (last.get("nodes") or t["nodes"] or "").split(",") if (last.get("nodes") or t["nodes"]) else [],
+                    "job_id": last.get("job_id"),
+                    "checkpoint": t["checkpoint"],
+                    "reason": t["reason"],
+                }
+            )
+        out.append(
+            {
+                "name": exp["name"],
+                "id": exp["id"],
+                "state": exp["state"],
+                "executor": exp["executor"],
+                "created_at": exp["created_at"],
+                "run_dir": exp["run_dir"],
+                "tasks": tasks,
+            }
+        )
+    return {"experiments": out}
+
+
+_STYLE = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "RECOVERING": "magenta"}
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    if v is None or v == "":
+        return "-"
+    return format(v, spec) if spec else str(v)
+
+
+def status_tables(doc: dict) -> list[Table]:
+    tables = []
+    for exp in doc["experiments"]:
+        t = Table(
+            title=f"{exp['name']} [dim]{exp['id']}[/] [{_STYLE.get(exp['state'], 'white')}]{exp['state']}[/] ({exp['executor']})",
+            title_justify="left",
+        )
+        for col in ("task", "params", "state", "att", "step", "loss", "thru/s", "hb age", "nodes", "checkpoint", "reason"):
+            t.add_column(col, overflow="fold")
+        for task in exp["tasks"]:
+            params = ", ".join(f"{k}={v}" for k, v in task["params"].items()) or "-"
+            t.add_row(
+                str(task["index"]),
+                params,
+                f"[{_STYLE.get(task['state'], 'white')}]{task['state']}[/]",
+                str(task["attempts"]),
+                _fmt(task["step"]),
+                _fmt(task["loss"], ".4f"),
+                _fmt(task["throughput"], ",.0f"),
+                _fmt(task["heartbeat_age_s"], ".0f") + ("s" if task["heartbeat_age_s"] is not None else ""),
+                ",".join(task["nodes"]) or "-",
+                _fmt(task["checkpoint"]),
+                _fmt(task["reason"]),
+            )
+        tables.append(t)
+    return tables
+
+
+def event_line(e: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
+    who = "experiment" if e["idx"] is None else f"task {e['idx']}" + (f" attempt {e['attempt']}" if e["attempt"] else "")
+    change = f" {e['old_state'] or '-'} -> {e['new_state']}" if e["new_state"] else ""
+    return f"{when}  {who:<20} {e['kind']:<22}{change}  {e['cause']}"

@@ -1,0 +1,165 @@
+"""The local executor: the whole lifecycle on one machine, without SLURM.
+
+submitit's LocalExecutor starts one driver process per experiment. The driver plays
+the part of SLURM's array scheduler: it starts a node agent per task, at most
+``sweep.max_parallel`` at once, and records each task's state in
+``<run_dir>/local/task-<index>.json``. Job ids look like SLURM array ids,
+``<driver job>_<index>``, so the rest of the system treats both alike.
+
+The driver outlives the command that submitted it: it is started with SIGINT and
+SIGHUP ignored (as nohup does), so Ctrl-C on ``submit --wait`` stops only the
+waiting. ``orchestrate cancel`` stops tasks through a flag file the driver watches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import protocol
+from ..plan import Plan
+from ..states import AttemptState
+from .base import JobRef, Observation
+
+DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
+
+
+def state_path(run_dir: Path, index: int) -> Path:
+    return Path(run_dir) / "local" / f"task-{index}.json"
+
+
+def driver_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "local" / "driver.json"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of a process (clock ticks since boot): tells a live pid from a reused one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):  # zombie: dead, not yet reaped
+        return None
+    return int(fields[19])
+
+
+def alive(record: dict | None) -> bool:
+    return bool(record) and process_start_ticks(record["pid"]) == record.get("start_ticks")
+
+
+@contextlib.contextmanager
+def _nohup():
+    """Children started inside ignore SIGINT and SIGHUP (dispositions survive exec)."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class LocalScheduler:
+    name = "local"
+
+    def submit(self, plan: Plan) -> dict[int, str]:
+        import submitit
+
+        executor = submitit.LocalExecutor(folder=str(plan.run_dir / "submitit"))
+        executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
+        indices = [t.index for t in plan.tasks]
+        for i in indices:
+            protocol.atomic_write_json(state_path(plan.run_dir, i), {"state": "PENDING", "time": time.time()})
+        with _nohup():
+            job = executor.submit(run_driver, str(plan.run_dir), indices, plan.max_parallel)
+        return {i: f"{job.job_id}_{i}" for i in indices}
+
+    def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
+        out: dict[str, Observation] = {}
+        drivers: dict[Path, bool] = {}
+        for ref in refs:
+            if ref.run_dir not in drivers:
+                drivers[ref.run_dir] = alive(protocol.read_json(driver_path(ref.run_dir)))
+            rec = protocol.read_json(state_path(ref.run_dir, ref.index)) or {}
+            state = rec.get("state")
+            if state == "ENDED":
+                out[ref.job_id] = Observation(ref.job_id, _ended_state(rec.get("exit_code")), rec.get("exit_code"))
+            elif state == "CANCELLED":
+                out[ref.job_id] = Observation(ref.job_id, AttemptState.CANCELLED, None, "cancelled before it started")
+            elif drivers[ref.run_dir]:
+                st = AttemptState.RUNNING if state == "RUNNING" else AttemptState.PENDING
+                out[ref.job_id] = Observation(ref.job_id, st)
+            elif driver_path(ref.run_dir).exists():
+                out[ref.job_id] = Observation(ref.job_id, AttemptState.LOST, None, "the local driver process is gone")
+            # no driver record yet: just submitted, the driver has not written it
+        return out
+
+    def cancel(self, refs: list[JobRef]) -> None:
+        for ref in refs:
+            flag = protocol.cancel_flag_path(protocol.task_dir(ref.run_dir, ref.index))
+            protocol.atomic_write_text(flag, f"{time.time()}\n")
+
+
+def _ended_state(code: int | None) -> AttemptState:
+    if code == protocol.ExitCode.OK:
+        return AttemptState.COMPLETED
+    if code == protocol.ExitCode.CANCELLED:
+        return AttemptState.CANCELLED
+    if code == protocol.ExitCode.REQUEUE:
+        return AttemptState.REQUEUED
+    if code == protocol.ExitCode.OUT_OF_MEMORY:
+        return AttemptState.OUT_OF_MEMORY
+    return AttemptState.FAILED
+
+
+# ---------------------------------------------------------------- the driver (runs detached)
+
+
+def run_driver(run_dir: str, indices: list[int], max_parallel: int | None) -> dict:
+    """Start the tasks' node agents, at most ``max_parallel`` at once; runs under submitit."""
+    run = Path(run_dir)
+    with contextlib.suppress(OSError):
+        os.setsid()  # our own session: the terminal's signals never reach the agents
+    base_id = os.environ.get("SUBMITIT_LOCAL_JOB_ID", str(os.getpid()))
+    protocol.atomic_write_json(
+        driver_path(run), {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()), "job_id": base_id}
+    )
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    limit = max_parallel or len(indices)
+    pending, running, codes, signalled = list(indices), {}, {}, set()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    while pending or running:
+        for i, proc in list(running.items()):
+            if proc.poll() is not None:
+                codes[i] = proc.returncode
+                protocol.atomic_write_json(
+                    state_path(run, i), {"state": "ENDED", "exit_code": proc.returncode, "time": time.time()}
+                )
+                del running[i]
+        for i in list(pending):
+            if stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists():
+                pending.remove(i)
+                protocol.atomic_write_json(state_path(run, i), {"state": "CANCELLED", "time": time.time()})
+        for i, proc in running.items():
+            if i not in signalled and (stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists()):
+                signalled.add(i)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)  # the agent stops its ranks and exits CANCELLED
+        while pending and len(running) < limit and not stop:
+            i = pending.pop(0)
+            running[i] = subprocess.Popen(
+                [sys.executable, "-m", "train_entry.agent", str(protocol.task_dir(run, i))],
+                env={**env, "ORCHESTRATE_JOB_ID": f"{base_id}_{i}", "ORCHESTRATE_RESTART_COUNT": "0"},
+                stdin=subprocess.DEVNULL,
+            )
+            protocol.atomic_write_json(
+                state_path(run, i), {"state": "RUNNING", "pid": running[i].pid, "time": time.time()}
+            )
+        time.sleep(0.2)
+    return {"exit_codes": codes}

@@ -1,0 +1,169 @@
+"""What the commands do: submit, refresh, cancel. The CLI is a thin layer on top.
+
+``refresh`` is the watcher's cycle: ingest the files compute nodes wrote, ask the
+scheduler once about every live job, and record what changed. Every read command
+runs it first, so the ledger is current without a daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import ingest, protocol, reconcile
+from .errors import UserError
+from .ledger import Ledger
+from .plan import Plan, build_plan
+from .scheduler import JobRef, Scheduler, default_executor, get_scheduler
+from .spec import dump_resolved, load_spec
+from .states import AttemptState, TaskState
+from .sweep import expand
+
+
+def home_dir(override: str | None = None) -> Path:
+    """The per-user folder of the ledger: --home, else $ORCHESTRATE_HOME, else ~/.orchestrate."""
+    return Path(override or os.environ.get("ORCHESTRATE_HOME") or Path.home() / ".orchestrate").expanduser()
+
+
+def open_ledger(home: Path) -> Ledger:
+    return Ledger.open(home / "ledger.db")
+
+
+# ---------------------------------------------------------------- submit
+
+
+def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
+    spec, raw, lines = load_spec(spec_path, overrides)
+    tasks = expand(spec, raw, lines, str(spec_path))
+    executor = executor or default_executor()
+    workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"
+    return build_plan(
+        spec,
+        tasks,
+        experiment_id=secrets.token_hex(4),
+        executor=executor,
+        spec_path=str(Path(spec_path).resolve()),
+        workdir=workdir.resolve(),
+    )
+
+
+def write_run_folder(plan: Plan) -> None:
+    try:
+        plan.run_dir.mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        raise UserError(f"cannot create the run folder '{plan.run_dir}': {exc}; check `workdir`") from None
+    protocol.atomic_write_text(plan.run_dir / "spec.resolved.yaml", dump_resolved(plan.spec))
+    for t in plan.tasks:
+        protocol.atomic_write_json(protocol.task_config_path(t.task_dir), t.config)
+
+
+def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:
+    """Write the run folder, record the experiment, submit; on failure leave nothing half-made."""
+    scheduler = scheduler or get_scheduler(plan.executor)
+    write_run_folder(plan)
+    ledger.create_experiment(
+        {
+            "id": plan.experiment_id,
+            "name": plan.name,
+            "executor": plan.executor,
+            "spec_path": plan.spec_path,
+            "run_dir": str(plan.run_dir),
+            "spec": json.dumps(plan.spec.model_dump(mode="json"), sort_keys=True),
+        },
+        [{"idx": t.index, "params": t.params, "task_dir": str(t.task_dir)} for t in plan.tasks],
+    )
+    try:
+        job_ids = scheduler.submit(plan)
+    except BaseException:
+        ledger.delete_experiment(plan.experiment_id)
+        shutil.rmtree(plan.run_dir, ignore_errors=True)
+        raise
+    for idx, job_id in job_ids.items():
+        ledger.add_attempt(plan.experiment_id, idx, job_id, f"submitted to the {scheduler.name} executor as job {job_id}")
+    return job_ids
+
+
+# ---------------------------------------------------------------- refresh
+
+
+@dataclass
+class _Live:
+    exp: dict
+    task: dict
+    attempt: dict
+
+
+def _live(ledger: Ledger, experiments: list[dict]) -> list[_Live]:
+    out = []
+    for exp in experiments:
+        if TaskState(exp["state"]).terminal:
+            continue
+        for task in ledger.tasks(exp["id"]):
+            if TaskState(task["state"]).terminal:
+                continue
+            attempts = ledger.attempts(exp["id"], task["idx"])
+            if attempts:
+                out.append(_Live(exp, task, attempts[-1]))
+    return out
+
+
+def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Scheduler] | None = None) -> None:
+    """One watcher cycle over ``experiments``: ingest files, poll once per executor, record."""
+    live = _live(ledger, experiments)
+    schedulers = schedulers or {}
+    by_executor: dict[str, list[_Live]] = {}
+    for item in live:
+        by_executor.setdefault(item.exp["executor"], []).append(item)
+    observations = {}
+    for executor, items in by_executor.items():
+        sched = schedulers.get(executor) or get_scheduler(executor)
+        refs = [JobRef(i.attempt["job_id"], Path(i.exp["run_dir"]), i.task["idx"]) for i in items if i.attempt["job_id"]]
+        observations.update(sched.poll(refs))
+    for item in live:
+        exp_id, idx = item.exp["id"], item.task["idx"]
+        ingest.ingest_progress(ledger, exp_id, idx, item.task["task_dir"])
+        job_id = item.attempt["job_id"]
+        launches = [l for l in ingest.read_launches(item.task["task_dir"]) if l.job_id == job_id]
+        decision = reconcile.decide(item.attempt, launches[-1] if launches else None, observations.get(job_id))
+        if decision.attempt:
+            ledger.update_attempt(exp_id, idx, item.attempt["number"], decision.cause, **decision.attempt)
+        if decision.task_state is not None:
+            failed = decision.task_state.terminal and decision.task_state != TaskState.COMPLETED
+            reason = decision.attempt.get("reason") if failed else None
+            ledger.set_task_state(exp_id, idx, decision.task_state, decision.cause, reason=reason)
+
+
+# ---------------------------------------------------------------- cancel
+
+
+def cancel(ledger: Ledger, exp: dict, index: int | None = None) -> list[int]:
+    """Ask the scheduler to stop live tasks; the next refresh records how they ended."""
+    refs, cancelled = [], []
+    for item in _live(ledger, [exp]):
+        if index is not None and item.task["idx"] != index:
+            continue
+        if AttemptState(item.attempt["state"]).ended:
+            continue
+        refs.append(JobRef(item.attempt["job_id"], Path(exp["run_dir"]), item.task["idx"]))
+        cancelled.append(item.task["idx"])
+    if index is not None and index not in cancelled:
+        tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
+        if index not in tasks:
+            raise UserError(f"experiment {exp['id']} has no task {index} (it has {len(tasks)})")
+    if refs:
+        get_scheduler(exp["executor"]).cancel(refs)
+        for idx in cancelled:
+            ledger.event(exp["id"], "task.cancel_requested", "orchestrate cancel", idx=idx)
+    return cancelled
+
+
+def resolve_experiment(ledger: Ledger, ref: str | None) -> list[dict]:
+    exps = ledger.find_experiments(ref)
+    if ref and not exps:
+        known = ", ".join(sorted({e["name"] for e in ledger.find_experiments()})[:10]) or "none yet"
+        raise UserError(f"no experiment with id or name '{ref}' (known names: {known}); see `orchestrate status`")
+    return exps

@@ -1,0 +1,92 @@
+"""Our own states, the transitions allowed between them, and how experiments roll up.
+
+Scheduler vocabularies (SLURM's, the local executor's) are translated into these
+at one boundary each (``slurm_parse.py``, ``scheduler/local.py``); nothing else
+looks at raw scheduler strings.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterable
+
+
+class TaskState(str, enum.Enum):
+    PENDING = "PENDING"  # submitted, not started
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"  # an attempt ended; a new one is on its way
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED})
+
+_ALLOWED: dict[TaskState, frozenset[TaskState]] = {
+    TaskState.PENDING: frozenset(
+        {TaskState.RUNNING, TaskState.RECOVERING, TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}
+    ),
+    TaskState.RUNNING: frozenset(
+        {TaskState.RECOVERING, TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}
+    ),
+    TaskState.RECOVERING: frozenset(
+        {TaskState.PENDING, TaskState.RUNNING, TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}
+    ),
+    TaskState.COMPLETED: frozenset(),
+    TaskState.FAILED: frozenset(),
+    TaskState.CANCELLED: frozenset(),
+}
+
+
+class TransitionError(Exception):
+    """A state change the table forbids: a bug or a stale observation, never applied."""
+
+
+def allowed(old: TaskState, new: TaskState) -> bool:
+    return new == old or new in _ALLOWED[old]
+
+
+def check(old: TaskState, new: TaskState) -> None:
+    if not allowed(old, new):
+        raise TransitionError(f"task state {old.value} -> {new.value} is not allowed")
+
+
+class AttemptState(str, enum.Enum):
+    """What became of one launch of a task (one scheduler job, or one requeue of it)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"  # non-zero exit: see reason for user error vs infrastructure
+    CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"
+    TIMEOUT = "TIMEOUT"
+    NODE_FAIL = "NODE_FAIL"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    REQUEUED = "REQUEUED"  # saved and asked to run again
+    LOST = "LOST"  # the scheduler no longer knows it and it left no exit record
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def ended(self) -> bool:
+        return self not in (AttemptState.PENDING, AttemptState.RUNNING, AttemptState.UNKNOWN)
+
+
+def experiment_state(task_states: Iterable[TaskState]) -> TaskState:
+    """Roll tasks up: live if any task is live, else the worst ending."""
+    states = list(task_states)
+    if not states:
+        return TaskState.PENDING
+    if any(s in (TaskState.RUNNING, TaskState.RECOVERING) for s in states):
+        return TaskState.RUNNING
+    if any(s == TaskState.PENDING for s in states):
+        return TaskState.RUNNING if any(s.terminal for s in states) else TaskState.PENDING
+    if any(s == TaskState.FAILED for s in states):
+        return TaskState.FAILED
+    if any(s == TaskState.CANCELLED for s in states):
+        return TaskState.CANCELLED
+    return TaskState.COMPLETED

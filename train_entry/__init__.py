@@ -1,0 +1,1 @@
+"""Compute-node side: node agent, training processes, engines. Imports only orchestrator.protocol from orchestrator."""

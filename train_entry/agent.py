@@ -1,0 +1,188 @@
+"""The node agent: one per node and launch; it starts and supervises the ranks.
+
+SLURM (through submitit) or the local executor starts one agent per node. The agent
+works out the rendezvous point, starts ``tasks_per_node`` training processes with
+torchrun-compatible variables, sends each one's output to its own log file, and
+ends the launch as soon as one rank fails (the others would only hang or fail in
+turn). Keeping the ranks under our own agent is what lets a later restart happen
+inside the allocation without going back to the queue.
+
+Signals only set a flag here; the supervision loop acts on it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator import protocol
+from orchestrator.protocol import ExitCode
+
+from .env import NodeContext, node_context, rendezvous
+
+TERM_GRACE_S = 10.0
+_SEVERITY = [ExitCode.USER_ERROR, ExitCode.OUT_OF_MEMORY, ExitCode.INFRA_ERROR, ExitCode.CANCELLED, ExitCode.REQUEUE]
+
+
+class _Flags:
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def handler(self, signum, _frame) -> None:
+        self.signals.append(signum)
+
+
+def worker_env(base: dict, cfg: dict, ctx: NodeContext, local_rank: int, addr: str, port: int, launch: str) -> dict:
+    per_node = cfg["resources"]["tasks_per_node"]
+    env = {k: v for k, v in base.items() if not k.startswith("SUBMITIT_")}
+    env.update({k: str(v) for k, v in cfg.get("env", {}).items()})
+    env.update(
+        RANK=str(ctx.node_rank * per_node + local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(ctx.nnodes * per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        NODE_RANK=str(ctx.node_rank),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+        ORCHESTRATE_LAUNCH=launch,
+        ORCHESTRATE_NODE=ctx.node_name,
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("OMP_NUM_THREADS", str(cfg["resources"]["cpus_per_task"]))
+    return env
+
+
+def launch_exit_code(codes: dict[int, int | None], first_failed: int | None) -> int:
+    """The launch's exit code: the first rank that failed is the root cause, the
+    others usually fail because it did; signals (negative) count as infrastructure."""
+    if first_failed is None:
+        return ExitCode.OK if all(c == 0 for c in codes.values()) else ExitCode.INFRA_ERROR
+    code = codes[first_failed]
+    if code is None or code < 0 or code not in [int(c) for c in ExitCode]:
+        return ExitCode.INFRA_ERROR
+    return code
+
+
+def node_main(task_dir: str) -> int:
+    """Run one launch of a task on this node; returns the launch's exit code."""
+    tdir = Path(task_dir)
+    cfg = protocol.read_json(protocol.task_config_path(tdir))
+    if cfg is None:
+        print(f"orchestrate agent: cannot read {protocol.task_config_path(tdir)}", file=sys.stderr)
+        return ExitCode.INFRA_ERROR
+    ctx = node_context(os.environ)
+    launch = protocol.launch_key(ctx.job_id, ctx.restart_count)
+    ldir = protocol.launches_dir(tdir) / launch
+    flags = _Flags()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, flags.handler)
+
+    try:
+        addr, port = rendezvous(ctx)
+    except RuntimeError as exc:
+        print(f"orchestrate agent: {exc}", file=sys.stderr)
+        return ExitCode.INFRA_ERROR
+    started = time.time()
+    if ctx.node_rank == 0:
+        protocol.atomic_write_json(
+            ldir / "start.json",
+            {
+                "launch": launch,
+                "job_id": ctx.job_id,
+                "restart_count": ctx.restart_count,
+                "nodes": list(ctx.nodes),
+                "world_size": ctx.nnodes * cfg["resources"]["tasks_per_node"],
+                "master": f"{addr}:{port}",
+                "time": started,
+            },
+        )
+
+    procs: dict[int, subprocess.Popen] = {}
+    logs = []
+    per_node = cfg["resources"]["tasks_per_node"]
+    for local_rank in range(per_node):
+        rank = ctx.node_rank * per_node + local_rank
+        lpath = protocol.log_path(tdir, rank)
+        lpath.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(lpath, "a", encoding="utf-8")
+        fh.write(f"=== launch {launch} rank {rank} on {ctx.node_name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+        fh.flush()
+        logs.append(fh)
+        procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "train_entry.worker", str(tdir)],
+            env=worker_env(dict(os.environ), cfg, ctx, local_rank, addr, port, launch),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    codes: dict[int, int | None] = {r: None for r in procs}
+    first_failed: int | None = None
+    cancelled = False
+    stop_deadline: float | None = None
+    while any(c is None for c in codes.values()):
+        for rank, p in procs.items():
+            if codes[rank] is None and (rc := p.poll()) is not None:
+                codes[rank] = rc
+                if rc != 0 and first_failed is None and not cancelled:
+                    first_failed = rank
+        while flags.signals:
+            sig = flags.signals.pop(0)
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                cancelled = True
+            _signal_all(procs, codes, sig)
+        if (first_failed is not None or cancelled) and stop_deadline is None:
+            stop_deadline = time.time() + TERM_GRACE_S
+            _signal_all(procs, codes, signal.SIGTERM)
+        if stop_deadline is not None and time.time() > stop_deadline:
+            _signal_all(procs, codes, signal.SIGKILL)
+        time.sleep(0.1)
+    for fh in logs:
+        fh.close()
+
+    code = ExitCode.CANCELLED if cancelled and first_failed is None else launch_exit_code(codes, first_failed)
+    protocol.atomic_write_json(
+        ldir / f"node-{ctx.node_rank}.json",
+        {
+            "launch": launch,
+            "node": ctx.node_name,
+            "node_rank": ctx.node_rank,
+            "exit_code": int(code),
+            "rank_exit_codes": {str(r): c for r, c in codes.items()},
+            "first_failed_rank": first_failed,
+            "started": started,
+            "ended": time.time(),
+        },
+    )
+    return int(code)
+
+
+def _signal_all(procs: dict, codes: dict, sig: int) -> None:
+    for rank, p in procs.items():
+        if codes[rank] is None:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def submitit_entry(task_dir: str) -> int:
+    """What submitit runs on each node of a SLURM array task.
+
+    A non-zero code is raised so that SLURM's record says FAILED too.
+    """
+    code = node_main(task_dir)
+    if code != ExitCode.OK:
+        raise SystemExit(code)
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m train_entry.agent TASK_DIR", file=sys.stderr)
+        sys.exit(ExitCode.USER_ERROR)
+    sys.exit(node_main(sys.argv[1]))

@@ -1,0 +1,38 @@
+"""DistributedDataParallel: full replicas, gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import Engine, make_optimizer
+
+
+class DDPEngine(Engine):
+    def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
+        self.device = device
+        model = model.to(device)
+        ids = [device.index] if device.type == "cuda" else None
+        self.model = DistributedDataParallel(
+            model, device_ids=ids, find_unused_parameters=cfg["engine"]["find_unused_parameters"]
+        )
+        self.optimizer = make_optimizer(self.model.parameters(), cfg["optimizer"])
+        self.grad_clip = cfg["optimizer"]["grad_clip"]
+
+    def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
+        # skip the gradient all-reduce on all but the last micro-batch of a step
+        ctx = contextlib.nullcontext() if last else self.model.no_sync()
+        with ctx:
+            loss = loss_fn(self.model(inputs), targets)
+            (loss / accum).backward()
+        return loss.detach()
+
+    def optimizer_step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,54 @@
+"""Per-rank heartbeats and rank-0 metrics, as files the login side ingests.
+
+Heartbeats are written from the training thread only, at step boundaries: a rank
+stuck in a collective or stopped by a signal stops beating, which is what hang
+detection needs. A thread beating on its own would hide exactly those hangs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from orchestrator import protocol
+
+from .env import RankContext
+
+
+class Heartbeat:
+    def __init__(self, task_dir: str | Path, ctx: RankContext, interval_s: float, clock=time.time):
+        self.path = protocol.heartbeat_path(task_dir, ctx.rank)
+        self.metrics = protocol.metrics_path(task_dir)
+        self.ctx = ctx
+        self.interval_s = interval_s
+        self.clock = clock
+        self.last = 0.0
+        self.step_time_s: float | None = None
+        self.step = 0
+
+    def beat(self, step: int, phase: str, force: bool = False) -> None:
+        self.step = step
+        now = self.clock()
+        if not force and now - self.last < self.interval_s:
+            return
+        self.last = now
+        protocol.atomic_write_json(
+            self.path,
+            protocol.heartbeat_record(
+                rank=self.ctx.rank,
+                local_rank=self.ctx.local_rank,
+                world_size=self.ctx.world_size,
+                node=self.ctx.node_name,
+                launch=self.ctx.launch,
+                step=step,
+                phase=phase,
+                step_time_s=self.step_time_s,
+            ),
+        )
+
+    def metric(self, step: int, loss: float, lr: float, throughput: float) -> None:
+        if self.ctx.rank == 0:
+            protocol.append_jsonl(
+                self.metrics,
+                {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "time": self.clock(), "launch": self.ctx.launch},
+            )

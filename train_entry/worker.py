@@ -1,0 +1,158 @@
+"""One training process (rank): ``python -m train_entry.worker TASK_DIR``.
+
+Started by the node agent with torchrun-compatible variables. Exits with a code
+from ``orchestrator.protocol.ExitCode``; on failure it first records the exception
+and traceback where the login side finds them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+import time
+import traceback
+
+from orchestrator import protocol
+from orchestrator.protocol import ExitCode
+
+from .env import RankContext, rank_context
+from .heartbeat import Heartbeat
+
+_INFRA = re.compile(
+    r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed? ?out|socket|store|rendezvous|peer",
+    re.IGNORECASE,
+)
+
+
+def classify(exc: BaseException) -> ExitCode:
+    """Exit code for an exception: was it the user's code, or the machinery around it?"""
+    import torch
+    from torch import distributed as dist
+
+    from .models import UserCodeError
+
+    if isinstance(exc, UserCodeError):
+        return ExitCode.USER_ERROR
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return ExitCode.OUT_OF_MEMORY
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return ExitCode.INFRA_ERROR
+    if isinstance(exc, (RuntimeError, OSError, ConnectionError)) and _INFRA.search(str(exc)):
+        return ExitCode.INFRA_ERROR
+    return ExitCode.USER_ERROR
+
+
+def pick_device(cfg: dict, ctx: RankContext):
+    import torch
+
+    backend = cfg["engine"].get("backend", "auto")
+    use_cuda = cfg["resources"]["gpus_per_task"] > 0 and torch.cuda.is_available()
+    if use_cuda:
+        # one device per rank: the agent exposes the node's GPUs, LOCAL_RANK picks one
+        torch.cuda.set_device(ctx.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    return device, backend
+
+
+def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat) -> float | None:
+    import torch
+    from torch import distributed as dist
+
+    from .data import Sampler
+    from .engines import build_engine
+    from .models import build_workload
+    from .schedule import lr_at
+
+    torch.manual_seed(cfg["seed"])  # same initial weights on every rank
+    workload = build_workload(cfg)
+    engine = build_engine(cfg, workload.model, device)
+    torch.manual_seed(cfg["seed"] * 7919 + ctx.rank)  # per-rank dropout streams
+    mb, accum = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"]
+    sampler = Sampler(len(workload.dataset), cfg["seed"], mb, accum, ctx.world_size, ctx.rank)
+    total, every = cfg["steps"], cfg["logging"]["every_steps"]
+    items_per_step = mb * accum * ctx.world_size * workload.tokens_per_sample
+
+    step, last_loss = 0, None
+    hb.beat(step, "train", force=True)
+    window_t0, window_steps = time.perf_counter(), 0
+    while step < total:
+        t0 = time.perf_counter()
+        lr = lr_at(step, total, cfg["optimizer"], cfg["schedule"])
+        losses = []
+        for m in range(accum):
+            inputs, targets = sampler.batch(workload.dataset, step, m, device)
+            losses.append(engine.micro_step(inputs, targets, workload.loss, accum, last=m == accum - 1))
+        engine.optimizer_step(lr)
+        step += 1
+        window_steps += 1
+        hb.step_time_s = time.perf_counter() - t0
+        if step == 1 or step % every == 0 or step == total:
+            loss = torch.stack(losses).mean().float()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+            last_loss = float(loss)
+            now = time.perf_counter()
+            hb.metric(step, last_loss, lr, items_per_step * window_steps / max(now - window_t0, 1e-9))
+            window_t0, window_steps = now, 0
+        hb.beat(step, "train")
+    hb.beat(step, "done", force=True)
+    return last_loss
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m train_entry.worker TASK_DIR", file=sys.stderr)
+        return ExitCode.USER_ERROR
+    task_dir = argv[0]
+    cfg = protocol.read_json(protocol.task_config_path(task_dir))
+    if cfg is None:
+        print(f"cannot read {protocol.task_config_path(task_dir)}", file=sys.stderr)
+        return ExitCode.INFRA_ERROR
+    ctx = rank_context(os.environ)
+    hb = Heartbeat(task_dir, ctx, cfg["heartbeat"]["interval_s"])
+    hb.beat(0, "init", force=True)
+    from torch import distributed as dist
+
+    try:
+        device, backend = pick_device(cfg, ctx)
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=600),
+            **({"device_id": device} if device.type == "cuda" else {}),
+        )
+        loss = train(cfg, ctx, device, hb)
+        if ctx.rank == 0:
+            print(f"finished {cfg['steps']} steps, final loss {loss:.4f}", flush=True)
+        return ExitCode.OK
+    except BaseException as exc:  # noqa: BLE001 - every failure is classified and recorded
+        code = classify(exc) if not isinstance(exc, KeyboardInterrupt) else ExitCode.CANCELLED
+        traceback.print_exc()
+        protocol.atomic_write_json(
+            protocol.error_path(task_dir, ctx.launch, ctx.rank),
+            {
+                "rank": ctx.rank,
+                "exit_code": int(code),
+                "type": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "traceback": traceback.format_exc()[-8000:],
+                "time": time.time(),
+            },
+        )
+        hb.beat(hb.step, "failed", force=True)
+        return code
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
