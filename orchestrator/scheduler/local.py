@@ -54,12 +54,24 @@ def alive(record: dict | None) -> bool:
 
 
 @contextlib.contextmanager
-def _nohup():
-    """Children started inside ignore SIGINT and SIGHUP (dispositions survive exec)."""
+def _detached():
+    """Children started inside ignore SIGINT and SIGHUP (dispositions survive exec)
+    and do not hold our stdin, stdout and stderr: a caller reading our output would
+    otherwise wait for the whole run to end. Their logs go to files."""
     old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    devnull = os.open(os.devnull, os.O_RDWR)
     try:
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
         yield
     finally:
+        for fd, copy in zip((0, 1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -75,7 +87,7 @@ class LocalScheduler:
         indices = [t.index for t in plan.tasks]
         for i in indices:
             protocol.atomic_write_json(state_path(plan.run_dir, i), {"state": "PENDING", "time": time.time()})
-        with _nohup():
+        with _detached():
             job = executor.submit(run_driver, str(plan.run_dir), indices, plan.max_parallel)
         return {i: f"{job.job_id}_{i}" for i in indices}
 

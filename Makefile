@@ -1,0 +1,23 @@
+# Two entry points: `make quickstart` and `make test` (both install first).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# Debian's own python3 refuses system-wide pip installs (PEP 668); these targets are
+# meant for a throwaway machine or a virtual environment you activated yourself.
+export PIP_BREAK_SYSTEM_PACKAGES := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install quickstart test test-fast
+
+install:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+
+quickstart: install
+	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
+	$(PYTHON) -m orchestrator events quickstart
+
+test: install
+	$(PYTHON) -m pytest
+
+test-fast:
+	$(PYTHON) -m pytest -m "not multiproc"

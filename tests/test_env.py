@@ -1,0 +1,59 @@
+import pytest
+
+from train_entry import env
+from train_entry.agent import launch_exit_code, worker_env
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_ARRAY_JOB_ID": "4240",
+    "SLURM_ARRAY_TASK_ID": "2",
+    "SLURM_JOB_NODELIST": "n[2-3]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURMD_NODENAME": "n3",
+    "SLURM_RESTART_COUNT": "1",
+}
+
+
+def test_node_context_from_slurm():
+    ctx = env.node_context(SLURM)
+    assert ctx.job_id == "4240_2" and ctx.restart_count == 1
+    assert ctx.nodes == ("n2", "n3") and ctx.node_rank == 1 and ctx.nnodes == 2 and ctx.node_name == "n3"
+    assert ctx.on_slurm
+
+
+def test_local_context_ignores_nothing_it_needs():
+    ctx = env.node_context({"ORCHESTRATE_JOB_ID": "99_0"})
+    assert ctx.job_id == "99_0" and ctx.nnodes == 1 and not ctx.on_slurm
+
+
+def test_rendezvous_falls_back_to_slurm_node_addr():
+    ctx = env.node_context(SLURM)
+
+    def unresolvable(name):
+        raise OSError("no such host")
+
+    addr, port = env.rendezvous(ctx, resolve=unresolvable, node_addr=lambda n: {"n2": "10.1.2.3"}.get(n))
+    assert addr == "10.1.2.3"
+    assert port == env.derive_port("4240_2")
+    addr, _ = env.rendezvous(ctx, resolve=lambda n: "127.0.0.9")
+    assert addr == "127.0.0.9"
+    with pytest.raises(RuntimeError, match="n2"):
+        env.rendezvous(ctx, resolve=unresolvable, node_addr=lambda n: None)
+
+
+def test_worker_env_ranks():
+    cfg = {"resources": {"tasks_per_node": 2, "cpus_per_task": 3}, "env": {"MY_VAR": "1"}}
+    ctx = env.node_context(SLURM)
+    e = worker_env({"PATH": "/bin", "SUBMITIT_X": "y"}, cfg, ctx, 1, "10.0.0.1", 29500, "4240_2.1")
+    assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
+    assert e["MASTER_ADDR"] == "10.0.0.1" and e["MASTER_PORT"] == "29500" and e["MY_VAR"] == "1"
+    assert e["OMP_NUM_THREADS"] == "3" and "SUBMITIT_X" not in e
+    rc = env.rank_context(e)
+    assert rc.rank == 3 and rc.world_size == 4 and rc.launch == "4240_2.1"
+
+
+def test_launch_exit_code_blames_the_first_failure():
+    assert launch_exit_code({0: 0, 1: 0}, None) == 0
+    assert launch_exit_code({0: 4, 1: 3}, 1) == 3  # rank 1 failed first with a user error
+    assert launch_exit_code({0: -9, 1: 4}, 0) == 4  # killed by a signal: infrastructure

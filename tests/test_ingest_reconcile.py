@@ -1,0 +1,87 @@
+import time
+
+from orchestrator import ingest, protocol
+from orchestrator.ingest import LaunchRecord
+from orchestrator.ledger import Ledger
+from orchestrator.protocol import ExitCode
+from orchestrator.reconcile import decide
+from orchestrator.scheduler.base import Observation
+from orchestrator.states import AttemptState, TaskState
+
+
+def make_task(tmp_path):
+    ledger = Ledger.memory()
+    tdir = tmp_path / "tasks" / "0"
+    ledger.create_experiment(
+        {"id": "e", "name": "n", "executor": "local", "spec_path": "s", "run_dir": str(tmp_path), "spec": "{}"},
+        [{"idx": 0, "params": {}, "task_dir": str(tdir)}],
+    )
+    return ledger, tdir
+
+
+def beat(tdir, rank, step, node="n1"):
+    rec = protocol.heartbeat_record(rank=rank, local_rank=rank, world_size=2, node=node, launch="1_0.0", step=step, phase="train")
+    protocol.atomic_write_json(protocol.heartbeat_path(tdir, rank), rec)
+
+
+def test_heartbeats_and_metrics_are_ingested_once(tmp_path):
+    ledger, tdir = make_task(tmp_path)
+    beat(tdir, 0, 10, "n1")
+    beat(tdir, 1, 9, "n2")
+    for step, loss in ((1, 3.5), (10, 3.0)):
+        protocol.append_jsonl(protocol.metrics_path(tdir), {"step": step, "loss": loss, "lr": 0.1, "throughput": 100.0, "time": time.time()})
+    with open(protocol.metrics_path(tdir), "a") as fh:
+        fh.write('{"step": 20, "lo')  # still being written
+    ingest.ingest_progress(ledger, "e", 0, tdir)
+    ingest.ingest_progress(ledger, "e", 0, tdir)  # idempotent
+    assert [m["step"] for m in ledger.metrics("e", 0)] == [1, 10]
+    hbs = ledger.heartbeats("e", 0)
+    assert [(h["rank"], h["step"], h["node"]) for h in hbs] == [(0, 10, "n1"), (1, 9, "n2")]
+    task = ledger.task("e", 0)
+    assert task["loss"] == 3.0 and task["step"] == 10 and task["nodes"] == "n1,n2"
+    with open(protocol.metrics_path(tdir), "a") as fh:
+        fh.write('ss": 2.5}\n')
+    beat(tdir, 0, 20)
+    ingest.ingest_progress(ledger, "e", 0, tdir)
+    assert [m["step"] for m in ledger.metrics("e", 0)] == [1, 10, 20]
+    assert ledger.task("e", 0)["loss"] == 2.5
+
+
+def test_read_launches_waits_for_every_node(tmp_path):
+    tdir = tmp_path / "t"
+    ldir = protocol.launches_dir(tdir) / "7_0.0"
+    protocol.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1", "n2"], "world_size": 4, "time": 1.0})
+    protocol.atomic_write_json(ldir / "node-0.json", {"exit_code": 4, "ended": 5.0})
+    (rec,) = ingest.read_launches(tdir)
+    assert not rec.ended
+    protocol.atomic_write_json(ldir / "node-1.json", {"exit_code": 3, "ended": 6.0})
+    protocol.atomic_write_json(ldir / "rank-3.error.json", {"rank": 3, "exit_code": 3, "type": "ValueError", "message": "bad", "traceback": "tb", "time": 2.0})
+    (rec,) = ingest.read_launches(tdir)
+    assert rec.ended and rec.exit_code == ExitCode.USER_ERROR and rec.ended_at == 6.0
+
+
+def launch(codes=None, errors=()):
+    rec = LaunchRecord("5_0.0", "5_0", 0, ["n1"], 2, 100.0)
+    if codes is not None:
+        rec.node_records = [{"exit_code": c, "ended": 200.0} for c in codes]
+    rec.errors = list(errors)
+    return rec
+
+
+def test_decide():
+    a = {"state": "PENDING"}
+    assert decide(a, None, None).task_state is None
+    assert decide(a, None, Observation("5_0", AttemptState.PENDING)).task_state is None
+    d = decide(a, launch(), None)
+    assert d.task_state == TaskState.RUNNING and d.attempt["nodes"] == "n1"
+    d = decide(a, launch([0]), None)
+    assert d.task_state == TaskState.COMPLETED and d.attempt["exit_code"] == 0
+    err = {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "boom", "traceback": "Traceback...", "time": 1}
+    d = decide(a, launch([3], [err]), None)
+    assert d.task_state == TaskState.FAILED and "ValueError: boom" in d.attempt["reason"] and d.attempt["error"] == "Traceback..."
+    d = decide(a, launch([5]), None)
+    assert d.task_state == TaskState.CANCELLED
+    d = decide(a, launch(), Observation("5_0", AttemptState.LOST, reason="driver gone"))
+    assert d.task_state == TaskState.FAILED and "driver gone" in d.cause
+    d = decide(a, None, Observation("5_0", AttemptState.CANCELLED))
+    assert d.task_state == TaskState.CANCELLED

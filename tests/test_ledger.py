@@ -1,0 +1,126 @@
+import sqlite3
+
+import pytest
+
+from orchestrator import states
+from orchestrator.ledger import Ledger
+from orchestrator.ledger.migrations import MIGRATIONS, current_version, migrate
+from orchestrator.states import TaskState
+
+import sqlite_utils
+
+
+def new_experiment(ledger, exp_id="e1", n=2):
+    ledger.create_experiment(
+        {"id": exp_id, "name": "demo", "executor": "local", "spec_path": "/s.yaml", "run_dir": f"/runs/{exp_id}", "spec": "{}"},
+        [{"idx": i, "params": {"seed": i}, "task_dir": f"/runs/{exp_id}/tasks/{i}"} for i in range(n)],
+    )
+
+
+def test_old_ledger_upgrades_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "ledger.db"
+    db = sqlite_utils.Database(path)
+    migrate(db, upto=1)  # a ledger as the first release left it
+    assert current_version(db) == 1
+    assert "throughput" not in db["tasks"].columns_dict
+    Ledger(db).create_experiment(
+        {"id": "old", "name": "n", "executor": "local", "spec_path": "s", "run_dir": "/r", "spec": "{}"},
+        [{"idx": 0, "params": {}, "task_dir": "/r/0"}],
+    )
+    db.close()
+    ledger = Ledger.open(path)
+    assert current_version(ledger.db) == len(MIGRATIONS)
+    assert {"throughput", "heartbeat_at", "nodes"} <= set(ledger.db["tasks"].columns_dict)
+    assert ledger.task("old", 0)["state"] == "PENDING"
+    names = [r["name"] for r in ledger.db["migrations"].rows_where(order_by="version")]
+    assert names == [m[0] for m in MIGRATIONS]
+    ledger.close()
+    # opening again is a no-op
+    again = Ledger.open(path)
+    assert current_version(again.db) == len(MIGRATIONS)
+
+
+def test_transition_table():
+    T = TaskState
+    assert states.allowed(T.PENDING, T.RUNNING)
+    assert states.allowed(T.RUNNING, T.RECOVERING) and states.allowed(T.RECOVERING, T.RUNNING)
+    for terminal in (T.COMPLETED, T.FAILED, T.CANCELLED):
+        for other in T:
+            assert states.allowed(terminal, other) == (other == terminal)
+    with pytest.raises(states.TransitionError):
+        states.check(T.COMPLETED, T.RUNNING)
+
+
+def test_experiment_roll_up():
+    T = TaskState
+    assert states.experiment_state([T.COMPLETED, T.COMPLETED]) == T.COMPLETED
+    assert states.experiment_state([T.COMPLETED, T.FAILED]) == T.FAILED
+    assert states.experiment_state([T.CANCELLED, T.COMPLETED]) == T.CANCELLED
+    assert states.experiment_state([T.PENDING, T.PENDING]) == T.PENDING
+    assert states.experiment_state([T.COMPLETED, T.PENDING]) == T.RUNNING
+    assert states.experiment_state([T.FAILED, T.RECOVERING]) == T.RUNNING
+
+
+def test_state_changes_are_events_and_forbidden_ones_are_refused():
+    ledger = Ledger.memory(clock=iter(range(1000)).__next__)
+    new_experiment(ledger)
+    assert ledger.set_task_state("e1", 0, TaskState.RUNNING, "started")
+    assert ledger.set_task_state("e1", 0, TaskState.COMPLETED, "exit 0")
+    assert not ledger.set_task_state("e1", 0, TaskState.RUNNING, "a stale observation")
+    assert ledger.task("e1", 0)["state"] == "COMPLETED"
+    kinds = [(e["kind"], e["idx"], e["new_state"]) for e in ledger.events("e1")]
+    assert kinds == [
+        ("experiment.created", None, "PENDING"),
+        ("task.state", 0, "RUNNING"),
+        ("experiment.state", None, "RUNNING"),
+        ("task.state", 0, "COMPLETED"),
+    ]
+    assert ledger.experiment("e1")["state"] == "RUNNING"  # task 1 is still pending
+    ledger.set_task_state("e1", 1, TaskState.FAILED, "user error", reason="boom")
+    assert ledger.experiment("e1")["state"] == "FAILED"
+    assert ledger.task("e1", 1)["reason"] == "boom"
+
+
+def test_attempts_are_numbered_per_task_and_state_changes_logged():
+    ledger = Ledger.memory()
+    new_experiment(ledger)
+    assert ledger.add_attempt("e1", 0, "10_0", "submitted") == 1
+    assert ledger.add_attempt("e1", 0, "11_0", "resubmitted") == 2
+    assert ledger.add_attempt("e1", 1, "10_1", "submitted") == 1
+    ledger.update_attempt("e1", 0, 2, "started", state="RUNNING", nodes="n1,n2")
+    ledger.update_attempt("e1", 0, 2, "same again", state="RUNNING", nodes="n1,n2")  # no change, no event
+    changes = [e for e in ledger.events("e1") if e["kind"] == "attempt.state"]
+    assert [(e["attempt"], e["old_state"], e["new_state"]) for e in changes] == [(2, "PENDING", "RUNNING")]
+
+
+def test_two_experiments_never_mix_and_lookup_by_name_gives_newest():
+    ledger = Ledger.memory(clock=iter(range(1000)).__next__)
+    new_experiment(ledger, "a1")
+    new_experiment(ledger, "b2")
+    assert [e["id"] for e in ledger.find_experiments("demo")] == ["b2", "a1"]
+    assert [e["id"] for e in ledger.find_experiments("a1")] == ["a1"]
+    ledger.set_task_state("a1", 0, TaskState.RUNNING, "x")
+    assert ledger.task("b2", 0)["state"] == "PENDING"
+
+
+def test_failed_submission_leaves_nothing():
+    ledger = Ledger.memory()
+    new_experiment(ledger)
+    ledger.add_attempt("e1", 0, "1_0", "x")
+    ledger.delete_experiment("e1")
+    for table in ("experiments", "tasks", "attempts", "events"):
+        assert ledger.db[table].count == 0
+
+
+def test_network_filesystem_warns(tmp_path, monkeypatch, caplog):
+    from orchestrator.ledger import store
+
+    monkeypatch.setattr(store, "filesystem_type", lambda p: "nfs4")
+    Ledger.open(tmp_path / "l.db").close()
+    assert "network filesystem" in caplog.text
+
+
+def test_filesystem_type_reads_mounts():
+    from orchestrator.ledger import filesystem_type
+
+    assert filesystem_type("/") is not None
