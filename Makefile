@@ -17,6 +17,7 @@ quickstart: install
 	$(PYTHON) -m orchestrator events quickstart
 
 test: install
+	scripts/slurm-local up
 	$(PYTHON) -m pytest
 
 test-fast:

@@ -100,6 +100,9 @@ def cmd_schema(args) -> int:
 def cmd_submit(args) -> int:
     home = service.home_dir(args.home)
     plan = service.make_plan(args.spec, args.overrides, args.executor, home)
+    from .scheduler import get_scheduler
+
+    get_scheduler(plan.executor)  # an unavailable executor is an error before anything is written
     if args.dry_run:
         if args.json:
             print(json.dumps(_dry_run_doc(plan), indent=2))

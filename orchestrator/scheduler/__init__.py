@@ -6,10 +6,12 @@ __all__ = ["JobRef", "Observation", "Scheduler", "get_scheduler", "default_execu
 
 
 def default_executor() -> str:
-    """SLURM when its client is on PATH, else the local executor."""
+    """SLURM when its client is on PATH and its executor is available, else local."""
+    import importlib.util
     import shutil
 
-    return "slurm" if shutil.which("sbatch") else "local"
+    has_slurm_executor = importlib.util.find_spec(__name__ + ".slurm") is not None
+    return "slurm" if has_slurm_executor and shutil.which("sbatch") else "local"
 
 
 def get_scheduler(name: str) -> Scheduler:
@@ -18,7 +20,12 @@ def get_scheduler(name: str) -> Scheduler:
 
         return LocalScheduler()
     if name == "slurm":
-        from .slurm import SlurmScheduler
+        try:
+            from .slurm import SlurmScheduler
+        except ImportError:
+            from ..errors import UserError
+
+            raise UserError("the SLURM executor is not available in this release yet; use --executor local") from None
 
         return SlurmScheduler()
     raise ValueError(f"unknown executor '{name}'")

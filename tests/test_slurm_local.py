@@ -1,0 +1,64 @@
+"""The project's own SLURM cluster: real daemons, real sbatch/sacct/scontrol."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slurm
+SCRIPT = REPO / "scripts" / "slurm-local"
+BASE = Path(os.environ.get("SLURM_LOCAL_DIR", REPO / ".slurm-local"))
+
+
+def sh(*argv, timeout=120, check=True):
+    env = {**os.environ, "SLURM_CONF": str(BASE / "etc" / "slurm.conf")}
+    out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert out.returncode == 0, f"{argv}: {out.stdout}{out.stderr}"
+    return out
+
+
+def cluster_pids():
+    marker = f"SLURM_LOCAL_MARKER={BASE.resolve()}".encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in (p / "environ").read_bytes().split(b"\0"):
+                    state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_up_is_repeatable_and_runs_an_array_with_accounting():
+    sh(str(SCRIPT), "up")
+    sh(str(SCRIPT), "up")  # a second `up` finds it running and changes nothing
+    job = sh("sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--array=0-1", "--wrap", "srun true").stdout.strip()
+    deadline = time.time() + 60
+    states = {}
+    while time.time() < deadline:
+        out = sh("sacct", "-X", "-n", "-P", "-j", job, "-o", "JobID,State,NodeList", check=False).stdout
+        states = {l.split("|")[0]: (l.split("|")[1], l.split("|")[2]) for l in out.splitlines() if l}
+        if len(states) == 2 and all(s == "COMPLETED" for s, _ in states.values()):
+            break
+        time.sleep(1)
+    assert {k for k in states} == {f"{job}_0", f"{job}_1"}, states
+    assert all(s == "COMPLETED" for s, _ in states.values()), states
+
+
+def test_down_after_a_crashed_daemon_leaves_nothing_and_up_recovers():
+    sh(str(SCRIPT), "up")
+    ctld = int((BASE / "run" / "slurmctld.pid").read_text().split()[0])
+    os.kill(ctld, signal.SIGKILL)
+    sh(str(SCRIPT), "down")
+    assert cluster_pids() == []
+    sh(str(SCRIPT), "up")
+    assert "idle" in sh("sinfo", "-h", "-o", "%t").stdout
