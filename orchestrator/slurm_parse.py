@@ -1,0 +1,175 @@
+"""Pure parsers for sacct and squeue output, and the one table that translates
+SLURM's job states into ours. Tested on output recorded from real SLURM 22.05
+(tests/data)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from .protocol import expand_hostlist
+from .states import AttemptState
+
+log = logging.getLogger(__name__)
+
+# sacct fields, in the order the poller asks for them (--parsable2, one line per record)
+SACCT_FIELDS = ("JobID", "JobIDRaw", "State", "ExitCode", "DerivedExitCode", "NodeList", "Start", "End", "Partition")
+
+SLURM_STATES: dict[str, AttemptState] = {
+    "PENDING": AttemptState.PENDING,
+    "REQUEUED": AttemptState.PENDING,
+    "REQUEUE_FED": AttemptState.PENDING,
+    "REQUEUE_HOLD": AttemptState.PENDING,
+    "CONFIGURING": AttemptState.PENDING,
+    "RESV_DEL_HOLD": AttemptState.PENDING,
+    "RUNNING": AttemptState.RUNNING,
+    "COMPLETING": AttemptState.RUNNING,
+    "STAGE_OUT": AttemptState.RUNNING,
+    "SIGNALING": AttemptState.RUNNING,
+    "RESIZING": AttemptState.RUNNING,
+    "SUSPENDED": AttemptState.RUNNING,
+    "STOPPED": AttemptState.RUNNING,
+    "COMPLETED": AttemptState.COMPLETED,
+    "FAILED": AttemptState.FAILED,
+    "BOOT_FAIL": AttemptState.NODE_FAIL,
+    "DEADLINE": AttemptState.TIMEOUT,
+    "SPECIAL_EXIT": AttemptState.FAILED,
+    "REVOKED": AttemptState.CANCELLED,
+    "CANCELLED": AttemptState.CANCELLED,
+    "TIMEOUT": AttemptState.TIMEOUT,
+    "PREEMPTED": AttemptState.PREEMPTED,
+    "NODE_FAIL": AttemptState.NODE_FAIL,
+    "OUT_OF_MEMORY": AttemptState.OUT_OF_MEMORY,
+}
+
+
+def translate_state(text: str) -> tuple[AttemptState, str | None]:
+    """(our state, uid that cancelled) for a SLURM state such as ``CANCELLED by 1000``
+    or ``RUNNING+`` (squeue's suffix); unknown states map to UNKNOWN and are logged."""
+    word, _, rest = text.strip().partition(" ")
+    word = word.rstrip("+*")
+    by = rest[3:].strip() if rest.startswith("by ") else None
+    state = SLURM_STATES.get(word)
+    if state is None:
+        log.warning("unknown SLURM job state %r, treated as UNKNOWN", text)
+        return AttemptState.UNKNOWN, by
+    return state, by
+
+
+_JOBID = re.compile(r"^(?P<job>\d+)(?:_(?:(?P<task>\d+)|\[(?P<range>[^\]]+)\]))?(?:\+(?P<het>\d+))?(?:\.(?P<step>.+))?$")
+
+
+@dataclass(frozen=True)
+class JobId:
+    job: str  # the (array) job id
+    task: int | None = None  # array task index
+    pending: tuple[int, ...] = ()  # tasks of a still-unsplit array record
+    throttle: int | None = None  # %P of that record
+    step: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}_{self.task}" if self.task is not None else self.job
+
+
+def parse_job_id(text: str) -> JobId:
+    """``123``, ``123_4``, ``123_[5-9%2]``, ``123_[1,3-4]``, ``123.batch``."""
+    m = _JOBID.match(text.strip())
+    if not m:
+        raise ValueError(f"not a SLURM job id: {text!r}")
+    pending, throttle = (), None
+    if m.group("range"):
+        body, _, thr = m.group("range").partition("%")
+        throttle = int(thr) if thr else None
+        pending = tuple(int(x) for x in expand_hostlist(f"[{body}]"))
+    return JobId(m.group("job"), int(m.group("task")) if m.group("task") else None, pending, throttle, m.group("step"))
+
+
+def _exit(text: str) -> tuple[int | None, int | None]:
+    code, _, sig = text.partition(":")
+    try:
+        return int(code), int(sig or 0)
+    except ValueError:
+        return None, None
+
+
+@dataclass(frozen=True)
+class SacctRecord:
+    id: JobId
+    raw_id: str
+    slurm_state: str
+    state: AttemptState
+    cancelled_by: str | None
+    exit_code: int | None
+    signal: int | None
+    nodes: tuple[str, ...]
+    start: str | None
+    end: str | None
+    partition: str
+
+
+def parse_sacct(text: str) -> list[SacctRecord]:
+    """Records of ``sacct -n -P --format=<SACCT_FIELDS>`` in output order (with -D,
+    several per job: the earlier runs of a requeued job come first)."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.split("|")
+        if len(parts) != len(SACCT_FIELDS):
+            log.warning("skipped a sacct line with %d fields: %r", len(parts), line)
+            continue
+        f = dict(zip(SACCT_FIELDS, parts))
+        state, by = translate_state(f["State"])
+        code, sig = _exit(f["ExitCode"])
+        nodes = () if f["NodeList"] in ("", "None assigned") else tuple(expand_hostlist(f["NodeList"]))
+        out.append(
+            SacctRecord(
+                id=parse_job_id(f["JobID"]),
+                raw_id=f["JobIDRaw"],
+                slurm_state=f["State"],
+                state=state,
+                cancelled_by=by,
+                exit_code=code,
+                signal=sig,
+                nodes=nodes,
+                start=None if f["Start"] in ("Unknown", "None", "") else f["Start"],
+                end=None if f["End"] in ("Unknown", "None", "") else f["End"],
+                partition=f["Partition"],
+            )
+        )
+    return out
+
+
+def history(records: list[SacctRecord]) -> dict[str, list[SacctRecord]]:
+    """Runs of each array task or job, oldest first; a pending array record counts
+    for each task it still holds."""
+    out: dict[str, list[SacctRecord]] = {}
+    for r in records:
+        if r.id.step is not None:
+            continue
+        keys = [f"{r.id.job}_{t}" for t in r.id.pending] if r.id.pending else [r.id.key]
+        for k in keys:
+            out.setdefault(k, []).append(r)
+    return out
+
+
+@dataclass(frozen=True)
+class SqueueRecord:
+    id: JobId
+    state: AttemptState
+    reason: str
+    nodes: tuple[str, ...]
+
+
+def parse_squeue(text: str) -> list[SqueueRecord]:
+    """Lines of ``squeue -h -o '%i|%T|%r|%N'``."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) != 4:
+            continue
+        state, _ = translate_state(parts[1])
+        out.append(SqueueRecord(parse_job_id(parts[0]), state, parts[2], tuple(expand_hostlist(parts[3])) if parts[3] else ()))
+    return out

@@ -1,0 +1,57 @@
+"""Parsers on output recorded from the local SLURM 22.05 cluster (tests/data)."""
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.slurm_parse import history, parse_job_id, parse_sacct, parse_squeue, translate_state
+from orchestrator.states import AttemptState as A
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_job_ids():
+    assert parse_job_id("123").key == "123"
+    j = parse_job_id("123_4")
+    assert (j.job, j.task, j.key) == ("123", 4, "123_4")
+    j = parse_job_id("123_[5-9%2]")
+    assert j.pending == (5, 6, 7, 8, 9) and j.throttle == 2 and j.task is None
+    assert parse_job_id("123_[1,3-4]").pending == (1, 3, 4)
+    assert parse_job_id("123.batch").step == "batch"
+    with pytest.raises(ValueError):
+        parse_job_id("abc")
+
+
+def test_state_table():
+    assert translate_state("CANCELLED by 1000") == (A.CANCELLED, "1000")
+    assert translate_state("RUNNING+")[0] == A.RUNNING
+    assert translate_state("OUT_OF_MEMORY")[0] == A.OUT_OF_MEMORY
+    assert translate_state("REQUEUED")[0] == A.PENDING
+    assert translate_state("WEIRD_NEW_STATE")[0] == A.UNKNOWN
+
+
+def test_sacct_history_shows_requeues():
+    h = history(parse_sacct((DATA / "sacct_D_requeued.txt").read_text()))
+    assert [r.state for r in h["17"]] == [A.FAILED] and h["17"][0].exit_code == 3
+    assert [(r.state, r.cancelled_by) for r in h["18"]] == [(A.CANCELLED, "0")]
+    assert [r.state for r in h["19"]] == [A.PREEMPTED, A.PENDING]  # preempted, requeued
+    assert [r.state for r in h["22"]] == [A.NODE_FAIL, A.PENDING]  # node failed, requeued
+    assert h["22"][0].nodes == ("n1", "n2", "n3", "n4") and h["22"][1].nodes == ()
+
+
+def test_plain_sacct_shows_only_the_latest_run():
+    h = history(parse_sacct((DATA / "sacct_latest.txt").read_text()))
+    assert [r.state for r in h["19"]] == [A.PENDING] and [r.state for r in h["22"]] == [A.PENDING]
+
+
+def test_array_records_split_and_pending():
+    h = history(parse_sacct((DATA / "sacct_array_cancelled.txt").read_text()))
+    assert set(h) == {f"23_{i}" for i in range(10)}
+    assert h["23_0"][0].raw_id == "24" and h["23_0"][0].nodes == ("n4",)
+    assert all(h[f"23_{i}"][0].state == A.CANCELLED for i in range(10))
+
+
+def test_squeue_throttled_array():
+    recs = {r.id.job: r for r in parse_squeue((DATA / "squeue_array_throttled.txt").read_text())}
+    assert recs["23"].id.pending == tuple(range(10)) and recs["23"].id.throttle == 2
+    assert recs["21"].state == A.PENDING and "DOWN" in recs["21"].reason
