@@ -168,7 +168,7 @@ def parse_squeue(text: str) -> list[SqueueRecord]:
     out = []
     for line in text.splitlines():
         parts = line.split("|")
-        if len(parts) != 4:
+        if line.startswith("#") or len(parts) != 4:
             continue
         state, _ = translate_state(parts[1])
         out.append(SqueueRecord(parse_job_id(parts[0]), state, parts[2], tuple(expand_hostlist(parts[3])) if parts[3] else ()))
