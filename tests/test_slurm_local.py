@@ -41,7 +41,7 @@ def cluster_pids():
 def test_up_is_repeatable_and_runs_an_array_with_accounting():
     sh(str(SCRIPT), "up")
     sh(str(SCRIPT), "up")  # a second `up` finds it running and changes nothing
-    job = sh("sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--array=0-1", "--wrap", "srun true").stdout.strip()
+    job = sh("sbatch", "--parsable", "-o", "/dev/null", "-N2", "--ntasks-per-node=2", "--array=0-1", "--wrap", "srun true").stdout.strip()
     deadline = time.time() + 60
     states = {}
     while time.time() < deadline:
