@@ -27,6 +27,11 @@ _TASK_AFTER = {
 }
 
 
+def attempt_state_for_exit(code: int | None) -> AttemptState:
+    """How an attempt ended, from the launch's exit code (the one table for this)."""
+    return _BY_EXIT.get(code, AttemptState.FAILED)
+
+
 @dataclass
 class Decision:
     attempt: dict[str, Any] = field(default_factory=dict)  # attempt columns to set
@@ -57,7 +62,7 @@ def decide(attempt: dict, launch: LaunchRecord | None, obs: Observation | None) 
         d.attempt.update(launch=launch.key, started_at=launch.started, nodes=",".join(launch.nodes))
     if launch is not None and launch.ended:
         code = launch.exit_code
-        state = _BY_EXIT.get(code, AttemptState.FAILED)
+        state = attempt_state_for_exit(code)
         reason = exit_reason(code)
         err = launch.root_error
         if err and state != AttemptState.COMPLETED:

@@ -25,7 +25,6 @@ from orchestrator.protocol import ExitCode
 from .env import NodeContext, node_context, rendezvous
 
 TERM_GRACE_S = 10.0
-_SEVERITY = [ExitCode.USER_ERROR, ExitCode.OUT_OF_MEMORY, ExitCode.INFRA_ERROR, ExitCode.CANCELLED, ExitCode.REQUEUE]
 
 
 class _Flags:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import protocol
 from ..plan import Plan
+from ..reconcile import attempt_state_for_exit
 from ..states import AttemptState
 from .base import JobRef, Observation
 
@@ -100,7 +101,7 @@ class LocalScheduler:
             rec = protocol.read_json(state_path(ref.run_dir, ref.index)) or {}
             state = rec.get("state")
             if state == "ENDED":
-                out[ref.job_id] = Observation(ref.job_id, _ended_state(rec.get("exit_code")), rec.get("exit_code"))
+                out[ref.job_id] = Observation(ref.job_id, attempt_state_for_exit(rec.get("exit_code")), rec.get("exit_code"))
             elif state == "CANCELLED":
                 out[ref.job_id] = Observation(ref.job_id, AttemptState.CANCELLED, None, "cancelled before it started")
             elif drivers[ref.run_dir]:
@@ -117,16 +118,6 @@ class LocalScheduler:
             protocol.atomic_write_text(flag, f"{time.time()}\n")
 
 
-def _ended_state(code: int | None) -> AttemptState:
-    if code == protocol.ExitCode.OK:
-        return AttemptState.COMPLETED
-    if code == protocol.ExitCode.CANCELLED:
-        return AttemptState.CANCELLED
-    if code == protocol.ExitCode.REQUEUE:
-        return AttemptState.REQUEUED
-    if code == protocol.ExitCode.OUT_OF_MEMORY:
-        return AttemptState.OUT_OF_MEMORY
-    return AttemptState.FAILED
 
 
 # ---------------------------------------------------------------- the driver (runs detached)
