@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 
 from . import __version__, protocol, render, service
 from .errors import UserError
@@ -120,12 +119,24 @@ def cmd_submit(args) -> int:
     return _wait(ledger, plan.experiment_id, args.json)
 
 
+def _slurm_check(plan) -> str:
+    """SLURM's own verdict on the plan (``sbatch --test-only``), when SLURM is here."""
+    import shutil
+
+    from .scheduler.slurm import SlurmScheduler
+
+    if not shutil.which("sbatch"):
+        return "not checked: sbatch is not on PATH here"
+    return SlurmScheduler().check(plan)  # raises SchedulerError when SLURM would refuse
+
+
 def _dry_run_doc(plan) -> dict:
     doc = plan.summary()
     if plan.executor == "slurm":
         from .scheduler.slurm import render_batch_script
 
         doc["sbatch_script"] = render_batch_script(plan)
+        doc["slurm_check"] = _slurm_check(plan)
     return doc
 
 
@@ -137,6 +148,7 @@ def _dry_run_text(plan) -> str:
         from .scheduler.slurm import render_batch_script
 
         text += "\n\n# the batch script that would be submitted (one job array):\n" + render_batch_script(plan)
+        text += f"\n# sbatch --test-only: {_slurm_check(plan)}"
     return text + "\n(dry run: nothing submitted, nothing recorded)"
 
 
@@ -172,8 +184,20 @@ def _wait(ledger, exp_id: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(doc, indent=2))
     else:
-        Console().print(*render.status_tables(doc))
+        _console().print(*render.status_tables(doc))
     return 0 if exp["state"] == TaskState.COMPLETED.value else 1
+
+
+def _console():
+    """A terminal gets its own width; a pipe or file gets wide enough rows not to wrap."""
+    import os
+
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=160)
+    return console
 
 
 def _refresh_one(ledger, exp_id: str) -> dict:
@@ -195,9 +219,7 @@ def cmd_status(args) -> int:
     if not exps:
         print("no experiments yet; start one with `orchestrate submit SPEC`")
         return 0
-    from rich.console import Console
-
-    Console().print(*render.status_tables(doc))
+    _console().print(*render.status_tables(doc))
     return 0
 
 

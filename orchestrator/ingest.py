@@ -13,6 +13,14 @@ from . import protocol
 from .ledger import Ledger
 
 
+_ROOT_CAUSE_RANK = {
+    protocol.ExitCode.USER_ERROR: 0,
+    protocol.ExitCode.OUT_OF_MEMORY: 1,
+    protocol.ExitCode.REQUEUE: 3,
+    protocol.ExitCode.CANCELLED: 4,
+}
+
+
 @dataclass
 class LaunchRecord:
     key: str
@@ -37,11 +45,9 @@ class LaunchRecord:
             return 0
         if self.errors:  # the earliest recorded exception is the root cause
             return min(self.errors, key=lambda e: e.get("time", 0))["exit_code"]
-        order = [protocol.ExitCode.USER_ERROR, protocol.ExitCode.OUT_OF_MEMORY, protocol.ExitCode.CANCELLED, protocol.ExitCode.REQUEUE]
-        for code in order:
-            if code in codes:
-                return int(code)
-        return next(c for c in codes if c != 0)
+        # A node that failed on its own explains the others, which were stopped because
+        # of it (srun --kill-on-bad-exit): their CANCELLED or REQUEUE is a consequence.
+        return min((c for c in codes if c != 0), key=lambda c: _ROOT_CAUSE_RANK.get(c, 2))  # 2: infrastructure
 
     @property
     def root_error(self) -> dict | None:

@@ -8,6 +8,7 @@ runs it first, so the ledger is current without a daemon.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -15,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import ingest, protocol, reconcile
-from .errors import UserError
+from .errors import SchedulerError, UserError
 from .ledger import Ledger
 from .plan import Plan, build_plan
 from .scheduler import JobRef, Scheduler, default_executor, get_scheduler
 from .spec import dump_resolved, load_spec
 from .states import AttemptState, TaskState
 from .sweep import expand
+
+log = logging.getLogger(__name__)
 
 
 def home_dir(override: str | None = None) -> Path:
@@ -122,7 +125,10 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
     for executor, items in by_executor.items():
         sched = schedulers.get(executor) or get_scheduler(executor)
         refs = [JobRef(i.attempt["job_id"], Path(i.exp["run_dir"]), i.task["idx"]) for i in items if i.attempt["job_id"]]
-        observations.update(sched.poll(refs))
+        try:
+            observations.update(sched.poll(refs))
+        except SchedulerError as exc:  # the files still tell progress; the next refresh asks again
+            log.warning("could not ask the %s scheduler about %d job(s): %s", executor, len(refs), exc)
     for item in live:
         exp_id, idx = item.exp["id"], item.task["idx"]
         ingest.ingest_progress(ledger, exp_id, idx, item.task["task_dir"])

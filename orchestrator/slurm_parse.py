@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from .protocol import expand_hostlist
+from .scheduler.base import Observation
 from .states import AttemptState
 
 log = logging.getLogger(__name__)
@@ -172,4 +173,57 @@ def parse_squeue(text: str) -> list[SqueueRecord]:
             continue
         state, _ = translate_state(parts[1])
         out.append(SqueueRecord(parse_job_id(parts[0]), state, parts[2], tuple(expand_hostlist(parts[3])) if parts[3] else ()))
+    return out
+
+
+# ---------------------------------------------------------------- sacct + squeue -> observations
+
+_ENDED_REASON = {
+    AttemptState.TIMEOUT: "time limit reached",
+    AttemptState.NODE_FAIL: "node failure",
+    AttemptState.PREEMPTED: "preempted",
+    AttemptState.OUT_OF_MEMORY: "out of memory (killed by SLURM)",
+}
+
+
+def _reason(r: SacctRecord, user_of) -> str:
+    if r.state == AttemptState.CANCELLED:
+        return f"cancelled by {user_of(r.cancelled_by)}" if r.cancelled_by else "cancelled"
+    if r.state == AttemptState.FAILED:
+        return f"exit code {r.exit_code}" + (f", signal {r.signal}" if r.signal else "")
+    if r.state == AttemptState.NODE_FAIL and r.nodes:
+        return f"node failure ({','.join(r.nodes)})"
+    return _ENDED_REASON.get(r.state, "")
+
+
+def observe(
+    sacct: list[SacctRecord],
+    squeue: list[SqueueRecord],
+    keys: list[str],
+    user_of=lambda uid: f"uid {uid}",
+) -> dict[str, Observation]:
+    """What each job in ``keys`` is now. squeue is the controller's live view and
+    wins while it lists the job (sacct lags it by seconds, and after a requeue may
+    still show the run that ended); once squeue no longer lists it, sacct's latest
+    run tells how it ended. A job neither knows of is left out."""
+    runs = history(sacct)
+    arrays = {r.id.job for r in sacct if r.id.task is not None or r.id.pending}
+    arrays |= {q.id.job for q in squeue if q.id.task is not None or q.id.pending}
+    live: dict[str, SqueueRecord] = {}
+    for q in squeue:
+        for t in q.id.pending or ((q.id.task,) if q.id.task is not None else (None,)):
+            live[f"{q.id.job}_{t}" if t is not None else q.id.job] = q
+    out = {}
+    for key in keys:
+        if (q := live.get(key)) is not None and not (q.state.ended and key in runs):
+            reason = q.reason if q.state == AttemptState.PENDING and q.reason not in ("None", "") else ""
+            out[key] = Observation(key, q.state, None, reason, ",".join(q.nodes))
+        elif key in runs:
+            r = runs[key][-1]
+            code = r.exit_code if r.state.ended else None
+            out[key] = Observation(key, r.state, code, _reason(r, user_of), ",".join(r.nodes))
+        elif "_" in key and key.split("_")[0] in arrays:
+            # SLURM keeps no record of an array task cancelled while pending: it just
+            # drops out of the array's pending range.
+            out[key] = Observation(key, AttemptState.CANCELLED, None, "cancelled before it started")
     return out

@@ -164,8 +164,17 @@ class Resources(Strict):
     sbatch_extra: dict[str, str | int | bool] = Field(
         default_factory=dict, description="Further sbatch options, `option: value` (`true` for a bare flag)."
     )
+    setup_templates: list[str] = Field(
+        default_factory=list,
+        description="Fragments from `templates/sbatch/` put in the batch script after `common.sh` "
+        "(shipped: `nccl` for GPU nodes, `offline` for nodes without internet).",
+    )
     setup: list[str] = Field(
         default_factory=list, description="Shell lines run before the trainer in the batch script (module loads, env activation)."
+    )
+    srun_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `srun` arguments for the trainer step, e.g. container options (`--container-image=...`).",
     )
 
     @field_validator("time")
@@ -180,6 +189,17 @@ class Resources(Strict):
     def _mem(cls, v: str | None) -> str | None:
         if v is not None:
             parse_memory_mb(v)
+        return v
+
+    @field_validator("setup_templates")
+    @classmethod
+    def _templates(cls, v: list[str]) -> list[str]:
+        from .fragments import available
+
+        known = available()
+        for name in v:
+            if name not in known:
+                raise ValueError(f"no setup template '{name}'; available: {', '.join(known) or 'none'}")
         return v
 
     @field_validator("gpus_per_task")

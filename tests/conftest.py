@@ -42,3 +42,29 @@ def status_json(home: Path, *ref: str) -> dict:
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+SLURM_BASE = Path(os.environ.get("SLURM_LOCAL_DIR", REPO / ".slurm-local"))
+
+
+@pytest.fixture
+def slurm(monkeypatch):
+    """The project's local SLURM cluster (`scripts/slurm-local up`; `make test` starts it).
+    Its clients find it through SLURM_CONF. In CI a missing cluster is a failure, never a skip."""
+    conf = SLURM_BASE / "etc" / "slurm.conf"
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    ok = conf.exists() and subprocess.run(["scontrol", "ping"], capture_output=True, timeout=30).returncode == 0
+    if not ok:
+        msg = "the local SLURM cluster is not running: start it with `scripts/slurm-local up`"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    yield conf
+    # a failed test must not leave jobs holding the nodes for the next one
+    subprocess.run(["scancel", "--me"], capture_output=True, timeout=30)
+
+
+def slurm_run(*argv: str, timeout: float = 60) -> str:
+    out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{argv}: {out.stdout}{out.stderr}"
+    return out.stdout

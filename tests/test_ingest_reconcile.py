@@ -85,3 +85,11 @@ def test_decide():
     assert d.task_state == TaskState.FAILED and "driver gone" in d.cause
     d = decide(a, None, Observation("5_0", AttemptState.CANCELLED))
     assert d.task_state == TaskState.CANCELLED
+
+
+def test_a_node_that_failed_on_its_own_is_the_root_cause_not_the_nodes_stopped_after_it():
+    assert launch([5, 4]).exit_code == ExitCode.INFRA_ERROR  # node 1 broke; srun stopped node 0
+    assert launch([5, 3]).exit_code == ExitCode.USER_ERROR
+    assert launch([75, 5]).exit_code == ExitCode.REQUEUE
+    assert launch([5, 5]).exit_code == ExitCode.CANCELLED
+    assert launch([0, 0]).exit_code == 0

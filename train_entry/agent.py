@@ -25,6 +25,7 @@ from orchestrator.protocol import ExitCode
 from .env import NodeContext, node_context, rendezvous
 
 TERM_GRACE_S = 10.0
+EXTERNAL_KILL_S = 1.0
 
 
 class _Flags:
@@ -123,17 +124,29 @@ def node_main(task_dir: str) -> int:
     first_failed: int | None = None
     cancelled = False
     stop_deadline: float | None = None
-    while any(c is None for c in codes.values()):
-        for rank, p in procs.items():
-            if codes[rank] is None and (rc := p.poll()) is not None:
-                codes[rank] = rc
-                if rc != 0 and first_failed is None and not cancelled:
-                    first_failed = rank
+    # scancel and SLURM's kill reach the ranks too, sometimes just before they reach
+    # us: a rank killed by SIGTERM/SIGINT counts as failed only if no such signal
+    # comes to the agent within EXTERNAL_KILL_S.
+    killed_at: dict[int, float] = {}
+    while any(c is None for c in codes.values()) or (killed_at and not cancelled):
         while flags.signals:
             sig = flags.signals.pop(0)
             if sig in (signal.SIGTERM, signal.SIGINT):
                 cancelled = True
             _signal_all(procs, codes, sig)
+        for rank, p in procs.items():
+            if codes[rank] is None and (rc := p.poll()) is not None:
+                codes[rank] = rc
+                if rc in (-signal.SIGTERM, -signal.SIGINT):
+                    killed_at[rank] = time.time()
+                elif rc != 0 and first_failed is None and not cancelled:
+                    first_failed = rank
+        for rank, at in list(killed_at.items()):
+            if cancelled:
+                killed_at.clear()
+            elif time.time() - at > EXTERNAL_KILL_S:
+                del killed_at[rank]
+                first_failed = rank if first_failed is None else first_failed
         if (first_failed is not None or cancelled) and stop_deadline is None:
             stop_deadline = time.time() + TERM_GRACE_S
             _signal_all(procs, codes, signal.SIGTERM)

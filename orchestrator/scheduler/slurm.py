@@ -1,0 +1,204 @@
+"""The SLURM executor: every task of an experiment goes out as one job array.
+
+submitit writes the batch script, pickles the call and runs it on the nodes: each
+array task asks for ``resources.nodes`` nodes and runs one node agent per node
+(``srun`` with one task per node), and the agent starts the ranks. So the sbatch
+request is per node: ``cpus-per-task`` is the CPUs of all ranks on a node and
+``gpus-per-node`` their GPUs.
+
+The batch script is a pure function of the plan (``render_batch_script``): it is
+what ``submit --dry-run`` prints and what goldens pin, and a test checks that it
+is the very file submitit hands to sbatch. Before submitting, ``sbatch
+--test-only`` runs that script, so a request SLURM would refuse (a missing
+partition) or leave pending forever (more nodes than the partition has) is an
+error at submit time, before anything is queued.
+
+State comes from one ``sacct`` call (all runs, ``-D``) and one ``squeue`` call per
+refresh for every live job of every experiment; ``slurm_parse`` translates it.
+"""
+
+from __future__ import annotations
+
+import math
+import pwd
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import commands, fragments
+from ..errors import SchedulerError, UserError
+from ..plan import Plan
+from ..slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
+from ..units import parse_memory_mb
+from .base import JobRef, Observation
+
+QUERY_TIMEOUT_S = 30
+CHECK_TIMEOUT_S = 60
+SQUEUE_FORMAT = "%i|%T|%r|%N"
+
+
+def submitit_folder(plan: Plan) -> Path:
+    return plan.run_dir / "submitit"
+
+
+def batch_parameters(plan: Plan) -> dict:
+    """The plan as submitit's sbatch parameters (the names of submitit's SlurmExecutor)."""
+    r = plan.resources
+    n = len(plan.tasks)
+    extra: dict = {}
+    if r.mem:
+        extra["mem"] = f"{parse_memory_mb(r.mem)}M"
+    for key, value in r.sbatch_extra.items():
+        if value is not False:
+            extra[key.lstrip("-")] = value
+    values = {
+        "name": shlex.quote(plan.name),
+        "experiment_id": plan.experiment_id,
+        "run_dir": shlex.quote(str(plan.run_dir)),
+    }
+    setup = fragments.render(fragments.COMMON, values)
+    for name in r.setup_templates:
+        setup += fragments.render(name, values)
+    if r.setup:
+        setup += ["# --- resources.setup", *r.setup]
+    params = {
+        "job_name": f"{plan.name}-{plan.experiment_id}",
+        "time": max(1, math.ceil(r.time_seconds / 60)),
+        "nodes": r.nodes,
+        "ntasks_per_node": 1,  # the node agent; it starts tasks_per_node ranks
+        "cpus_per_task": r.cpus_per_task * r.tasks_per_node,
+        "gpus_per_node": r.gpus_per_task * r.tasks_per_node or None,
+        "partition": r.partition,
+        "account": r.account,
+        "qos": r.qos,
+        "constraint": r.constraint,
+        "exclude": ",".join(r.exclude) or None,
+        "comment": f"orchestrate {plan.experiment_id}",
+        "wckey": "orchestrate",
+        "array_parallelism": min(plan.max_parallel or n, n),
+        "stderr_to_stdout": True,
+        "setup": setup,
+        # one failed node agent ends the step: the others' ranks would only hang
+        "srun_args": ["--kill-on-bad-exit=1", *r.srun_args],
+        "additional_parameters": extra,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def submit_command(python: str, folder: Path) -> str:
+    """The command submitit puts in the batch script (as its SlurmExecutor does)."""
+    return " ".join([shlex.quote(python), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def render_batch_script(plan: Plan, python: str = sys.executable) -> str:
+    """The exact batch script of the plan's job array (a single job for one task,
+    as submitit submits it)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    n = len(plan.tasks)
+    return _make_sbatch_string(
+        command=submit_command(python, submitit_folder(plan)),
+        folder=submitit_folder(plan),
+        map_count=n if n > 1 else None,
+        **batch_parameters(plan),
+    )
+
+
+# ---------------------------------------------------------------- refusals, in the spec's words
+
+_HINTS = (
+    ("Invalid partition", "resources.partition: SLURM has no partition '{partition}'; `sinfo -s` lists the partitions"),
+    (
+        "Requested node configuration is not available",
+        "no nodes of partition '{partition}' can give each task {nodes} node(s) with {cpus} CPU(s){mem}{gpus} per node; "
+        "check resources.nodes, tasks_per_node, cpus_per_task, gpus_per_task, mem, constraint and exclude "
+        "against `sinfo -o '%P %D %c %m %G %f'`",
+    ),
+    ("Node count specification invalid", "resources.nodes: the partition cannot give {nodes} node(s)"),
+    ("Invalid account", "resources.account: SLURM does not know account '{account}' (or you may not use it); `sacctmgr show assoc user=$USER`"),
+    ("Invalid qos", "resources.qos: SLURM does not know QOS '{qos}' (or you may not use it)"),
+    ("Invalid feature specification", "resources.constraint: no node has the feature(s) '{constraint}'"),
+    ("Invalid generic resource", "resources.gpus_per_task: this partition has no GPUs (gres) to give"),
+    ("time limit", "resources.time: {time} is over the partition's limit"),
+)
+
+
+def explain_refusal(stderr: str, plan: Plan) -> str:
+    """SLURM's words for a refused request, and which spec field to change."""
+    r = plan.resources
+    words = [l.removeprefix("sbatch: error: ").strip() for l in stderr.splitlines() if l.strip()]
+    said = "; ".join(dict.fromkeys(words)) or "no reason given"
+    facts = {
+        "partition": r.partition or "(the default)",
+        "nodes": r.nodes,
+        "cpus": r.cpus_per_task * r.tasks_per_node,
+        "mem": f", {r.mem} memory" if r.mem else "",
+        "gpus": f", {r.gpus_per_task * r.tasks_per_node} GPU(s)" if r.gpus_per_task else "",
+        "account": r.account,
+        "qos": r.qos,
+        "constraint": r.constraint,
+        "time": r.time,
+    }
+    hints = [h.format(**facts) for key, h in _HINTS if key.lower() in stderr.lower()]
+    return f"SLURM refuses the job array: {said}" + "".join(f"\n  {h}" for h in hints)
+
+
+class SlurmScheduler:
+    name = "slurm"
+
+    def check(self, plan: Plan) -> str:
+        """``sbatch --test-only`` on the plan's script; returns SLURM's estimate
+        (when and where it would start) or raises SchedulerError with the fix."""
+        with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="orchestrate-") as fh:
+            fh.write(render_batch_script(plan))
+            fh.flush()
+            try:
+                out = commands.run(["sbatch", "--test-only", fh.name], timeout=CHECK_TIMEOUT_S)
+            except commands.CommandError as exc:
+                if exc.returncode is None:
+                    raise SchedulerError(f"cannot reach SLURM: {exc}") from None
+                raise SchedulerError(explain_refusal(exc.stderr + exc.stdout, plan)) from None
+        return " ".join((out.stderr + out.stdout).split()).removeprefix("sbatch: ")
+
+    def submit(self, plan: Plan) -> dict[int, str]:
+        import submitit
+        from submitit.core.utils import FailedJobError
+
+        from train_entry.agent import submitit_entry
+
+        self.check(plan)  # also fails fast, with a timeout, when the controller does not answer
+        try:
+            executor = submitit.SlurmExecutor(folder=submitit_folder(plan))
+        except RuntimeError:
+            raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
+        executor.update_parameters(**batch_parameters(plan))
+        tasks = sorted(plan.tasks, key=lambda t: t.index)
+        try:
+            jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in tasks])
+        except FailedJobError as exc:
+            raise SchedulerError(explain_refusal(str(exc), plan)) from None
+        return {t.index: job.job_id for t, job in zip(tasks, jobs)}
+
+    def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
+        if not refs:
+            return {}
+        keys = [r.job_id for r in refs]
+        jobs = sorted({parse_job_id(k).job for k in keys}, key=int)
+        sacct = commands.query(
+            ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), "-j", ",".join(jobs)],
+            timeout=QUERY_TIMEOUT_S,
+        )
+        squeue = commands.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
+        return observe(parse_sacct(sacct.stdout), parse_squeue(squeue.stdout), keys, user_of=_user_name)
+
+    def cancel(self, refs: list[JobRef]) -> None:
+        if refs:
+            commands.query(["scancel", *sorted({r.job_id for r in refs})], timeout=QUERY_TIMEOUT_S)
+
+
+def _user_name(uid: str) -> str:
+    try:
+        return pwd.getpwuid(int(uid)).pw_name
+    except (KeyError, ValueError):
+        return f"uid {uid}"

@@ -1,0 +1,86 @@
+"""The batch script and sbatch parameters: pure functions of the plan, pinned by
+golden files (regenerate with UPDATE_GOLDEN=1 after a deliberate change)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, write
+from orchestrator.errors import SpecError
+from orchestrator.scheduler.slurm import batch_parameters, explain_refusal, render_batch_script
+from orchestrator.service import make_plan
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+
+GPU_SPEC = """\
+name: gpu-ft
+steps: 1000
+engine: {kind: ddp, backend: nccl}
+resources:
+  nodes: 2
+  tasks_per_node: 4
+  cpus_per_task: 8
+  gpus_per_task: 1
+  mem: 240G
+  time: "1-12:00:00"
+  partition: gpu
+  account: proj42
+  qos: normal
+  constraint: a100
+  exclude: [g001, g007]
+  setup_templates: [nccl, offline]
+  setup:
+    - module load cuda/12.4
+    - source /opt/venvs/ft/bin/activate
+  srun_args: ["--container-image=/images/pytorch.sqsh", "--container-mounts=/scratch:/scratch"]
+  sbatch_extra: {mail-type: END, exclusive: true, hint: false}
+"""
+
+
+def plan_of(tmp_path, text, *overrides):
+    spec = write(tmp_path / "spec.yaml", text)
+    plan = make_plan(str(spec), list(overrides), "slurm", tmp_path)
+    # a fixed id and folder, so the script is the same on every machine
+    return plan.__class__(**{**plan.__dict__, "experiment_id": "0123abcd", "run_dir": Path("/scratch/runs") / f"{plan.name}-0123abcd"})
+
+
+def check_golden(name, text):
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; UPDATE_GOLDEN=1 regenerates it if that was meant"
+
+
+def test_single_task_gpu_script(tmp_path):
+    check_golden("gpu_single_task.sbatch", render_batch_script(plan_of(tmp_path, GPU_SPEC), python="python3"))
+
+
+def test_sweep_is_one_throttled_array(tmp_path):
+    plan = plan_of(tmp_path, (REPO / "configs" / "sweep.yaml").read_text())
+    script = render_batch_script(plan, python="python3")
+    check_golden("sweep_array.sbatch", script)
+    assert "#SBATCH --array=0-3%2" in script
+
+
+def test_request_is_per_node_for_one_agent_per_node(tmp_path):
+    p = batch_parameters(plan_of(tmp_path, GPU_SPEC))
+    assert (p["nodes"], p["ntasks_per_node"], p["cpus_per_task"], p["gpus_per_node"]) == (2, 1, 32, 4)
+    assert p["time"] == 36 * 60 and p["additional_parameters"] == {"mem": "245760M", "mail-type": "END", "exclusive": True}
+    assert p["exclude"] == "g001,g007" and p["srun_args"][0] == "--kill-on-bad-exit=1"
+
+
+def test_unknown_setup_template_names_the_field_and_line(tmp_path):
+    with pytest.raises(SpecError) as err:
+        plan_of(tmp_path, "name: x\nsteps: 1\nresources:\n  setup_templates: [nccl, cuda]\n")
+    assert "spec.yaml:4: resources.setup_templates" in str(err.value) and "available: nccl, offline" in str(err.value)
+
+
+def test_refusals_name_the_field_to_change(tmp_path):
+    plan = plan_of(tmp_path, GPU_SPEC)
+    msg = explain_refusal("sbatch: error: invalid partition specified: gpu\nsbatch: error: Batch job submission failed: Invalid partition name specified", plan)
+    assert msg.startswith("SLURM refuses the job array: invalid partition specified: gpu; Batch job submission failed")
+    assert "resources.partition: SLURM has no partition 'gpu'" in msg
+    msg = explain_refusal("allocation failure: Requested node configuration is not available", plan)
+    assert "2 node(s) with 32 CPU(s), 240G memory, 4 GPU(s) per node" in msg and "resources.nodes" in msg
+    assert explain_refusal("something new", plan) == "SLURM refuses the job array: something new"
