@@ -84,3 +84,8 @@ def test_refusals_name_the_field_to_change(tmp_path):
     msg = explain_refusal("allocation failure: Requested node configuration is not available", plan)
     assert "2 node(s) with 32 CPU(s), 240G memory, 4 GPU(s) per node" in msg and "resources.nodes" in msg
     assert explain_refusal("something new", plan) == "SLURM refuses the job array: something new"
+
+
+def test_no_controller_is_not_called_a_refusal(tmp_path):
+    msg = explain_refusal("sbatch: error: Unable to contact slurm controller (connect failure)", plan_of(tmp_path, GPU_SPEC))
+    assert msg.startswith("cannot reach SLURM from here: Unable to contact slurm controller") and "--executor local" in msg

@@ -124,11 +124,20 @@ _HINTS = (
 )
 
 
+# words of SLURM's clients that mean "no controller here", not "your request is wrong"
+_UNREACHABLE = ("configuration source", "Unable to process configuration", "Unable to contact slurm controller")
+
+
 def explain_refusal(stderr: str, plan: Plan) -> str:
     """SLURM's words for a refused request, and which spec field to change."""
     r = plan.resources
-    words = [l.removeprefix("sbatch: error: ").strip() for l in stderr.splitlines() if l.strip()]
+    words = [l.removeprefix("sbatch: error: ").removeprefix("sbatch: fatal: ").strip() for l in stderr.splitlines() if l.strip()]
     said = "; ".join(dict.fromkeys(words)) or "no reason given"
+    if any(w in stderr for w in _UNREACHABLE):
+        return (
+            f"cannot reach SLURM from here: {said}\n"
+            "  check SLURM_CONF and `scontrol ping`, or run on this machine with --executor local"
+        )
     facts = {
         "partition": r.partition or "(the default)",
         "nodes": r.nodes,
