@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import protocol
+from . import deepspeed_config, protocol
 from .spec import Resources, Spec
 from .sweep import TaskSpec
 
@@ -67,6 +67,8 @@ def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executo
             params=t.params,
             task_dir=str(tdir),
         )
+        if t.spec.engine.kind == "deepspeed":
+            config["deepspeed_config"] = deepspeed_config.render(t.spec)
         planned.append(PlannedTask(t.index, t.params, tdir, config))
     return Plan(
         experiment_id=experiment_id,

@@ -62,6 +62,8 @@ def write_run_folder(plan: Plan) -> None:
     protocol.atomic_write_text(plan.run_dir / "spec.resolved.yaml", dump_resolved(plan.spec))
     for t in plan.tasks:
         protocol.atomic_write_json(protocol.task_config_path(t.task_dir), t.config)
+        if "deepspeed_config" in t.config:  # for the user to read; the trainer reads task.json
+            protocol.atomic_write_json(Path(t.task_dir) / "deepspeed.json", t.config["deepspeed_config"])
 
 
 def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:

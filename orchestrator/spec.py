@@ -111,17 +111,102 @@ DataSpec = Annotated[
 # ---------------------------------------------------------------- engine and optimisation
 
 
-class DDPEngine(Strict):
-    """PyTorch DistributedDataParallel: full replicas, gradients all-reduced."""
+class FieldError(ValueError):
+    """A check across fields, raised from a model validator, that names the field to change."""
 
-    kind: Literal["ddp"] = Field("ddp", description="`ddp`.")
+    def __init__(self, path: tuple, message: str):
+        super().__init__(message)
+        self.path = path
+
+
+class _EngineCommon(Strict):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process group backend; `auto` is nccl with GPUs, gloo without."
     )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="`fp32`, `bf16` (mixed precision: bf16 compute, fp32 master weights and reductions) or "
+        "`fp16` (deepspeed only: it has dynamic loss scaling).",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each transformer block in the backward pass instead of storing its activations."
+    )
+
+    @field_validator("precision")
+    @classmethod
+    def _fp16_needs_loss_scaling(cls, v: str, info) -> str:
+        if v == "fp16" and cls is not DeepSpeedEngine:
+            raise ValueError("fp16 needs dynamic loss scaling, which only engine kind `deepspeed` has here; use bf16")
+        return v
+
+
+class DDPEngine(_EngineCommon):
+    """PyTorch DistributedDataParallel: full replicas, gradients all-reduced."""
+
+    kind: Literal["ddp"] = Field("ddp", description="`ddp`.")
     find_unused_parameters: bool = Field(False, description="DDP's find_unused_parameters.")
 
 
-EngineSpec = Annotated[Union[Annotated[DDPEngine, Tag("ddp")]], _kind_of("ddp")]
+class FSDPEngine(_EngineCommon):
+    """PyTorch FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded."""
+
+    kind: Literal["fsdp"] = Field(description="`fsdp`.")
+    sharding: Literal["full", "shard_grad_op", "hybrid"] = Field(
+        "full",
+        description="`full`: parameters resharded after forward (ZeRO-3-like); `shard_grad_op`: kept gathered "
+        "until backward ends (ZeRO-2-like, more memory, less communication); `hybrid`: full sharding within a "
+        "node, replicas across nodes (2-D mesh).",
+    )
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    wrap: list[str] = Field(
+        default_factory=list,
+        description="Class names of the submodules sharded as one unit each; empty: the items of the model's ModuleLists "
+        "(the transformer blocks).",
+    )
+
+
+class DeepSpeedEngine(_EngineCommon):
+    """DeepSpeed ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) partitioned."""
+
+    kind: Literal["deepspeed"] = Field(description="`deepspeed`.")
+    stage: int = Field(2, ge=0, le=3, description="ZeRO stage 0-3.")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where optimizer state and the fp32 master weights live (ZeRO-Offload; stage 1-3)."
+    )
+    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameters live (stage 3 only).")
+    nvme_path: str | None = Field(None, description="A fast local folder for NVMe offload, on every node.")
+    template: str = Field("zero", description="DeepSpeed config template in `templates/deepspeed/` (without `.json`).")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="DeepSpeed config entries merged over the template (tuning knobs such as `zero_optimization."
+        "reduce_bucket_size`). Batch sizes, stage, precision, clipping and the optimizer come from the spec.",
+    )
+
+    @model_validator(mode="after")
+    def _options(self) -> "DeepSpeedEngine":
+        if self.offload_param != "none" and self.stage != 3:
+            raise FieldError(("offload_param",), f"parameter offload needs stage 3 (this is stage {self.stage})")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise FieldError(("offload_optimizer",), "optimizer offload needs stage 1, 2 or 3")
+        if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise FieldError(("nvme_path",), "NVMe offload needs nvme_path: a fast local folder on every node")
+        from .deepspeed_config import check_overrides, template_names
+
+        if self.template not in template_names():
+            raise FieldError(("template",), f"no DeepSpeed template '{self.template}'; available: {', '.join(template_names())}")
+        for path, message in check_overrides(self.config):
+            raise FieldError(("config", *path), message)
+        return self
+
+
+EngineSpec = Annotated[
+    Union[
+        Annotated[DDPEngine, Tag("ddp")],
+        Annotated[FSDPEngine, Tag("fsdp")],
+        Annotated[DeepSpeedEngine, Tag("deepspeed")],
+    ],
+    _kind_of("ddp"),
+]
 
 
 class Optimizer(Strict):
@@ -141,7 +226,12 @@ class Schedule(Strict):
 
 class Batch(Strict):
     micro_batch_size: int = Field(8, ge=1, description="Sequences per rank per forward pass.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    grad_accum: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step; null: from global_batch_size, else 1."
+    )
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimizer step over all ranks: micro_batch_size x grad_accum x world size."
+    )
 
 
 # ---------------------------------------------------------------- resources and policies
@@ -278,6 +368,36 @@ class Spec(Strict):
             raise ValueError("use letters, digits, '_', '.', '-' (at most 64, starting with a letter or digit)")
         return v
 
+    @model_validator(mode="after")
+    def _across_fields(self) -> "Spec":
+        b, world = self.batch, self.resources.world_size
+        per_step = b.micro_batch_size * world  # sequences per micro-step over all data-parallel ranks
+        if b.global_batch_size is not None:
+            if b.grad_accum is None:
+                if b.global_batch_size % per_step:
+                    raise FieldError(
+                        ("batch", "global_batch_size"),
+                        f"{b.global_batch_size} is not a multiple of micro_batch_size x world size = "
+                        f"{b.micro_batch_size} x {world} = {per_step}",
+                    )
+                b.grad_accum = b.global_batch_size // per_step
+            elif b.global_batch_size != per_step * b.grad_accum:
+                raise FieldError(
+                    ("batch", "global_batch_size"),
+                    f"{b.global_batch_size} != micro_batch_size x grad_accum x world size = {b.micro_batch_size} x "
+                    f"{b.grad_accum} x {world} = {per_step * b.grad_accum}; fix one, or leave grad_accum out to derive it",
+                )
+        if b.grad_accum is None:
+            b.grad_accum = 1
+        if b.global_batch_size is None:
+            b.global_batch_size = per_step * b.grad_accum
+        if self.engine.kind == "fsdp" and self.engine.sharding == "hybrid" and self.resources.nodes < 2:
+            raise FieldError(
+                ("engine", "sharding"),
+                "hybrid shards within a node and replicates across nodes; with resources.nodes: 1 use `full`",
+            )
+        return self
+
 
 # Fields a sweep may not vary: one job array shares one name, folder and resource request.
 UNSWEEPABLE = ("name", "workdir", "resources", "sweep")
@@ -352,6 +472,10 @@ def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_pa
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, FieldError):
+            path = _in_data(raw, err["loc"]) + cause.path
+            msg = str(cause)
         if err["type"] == "extra_forbidden":
             valid = valid_keys(raw, path[:-1])
             msg = f"unknown key '{path[-1]}'" + (f"; valid keys: {', '.join(valid)}" if valid else "")
@@ -390,6 +514,17 @@ def data_path(raw: Any, loc: tuple) -> tuple:
             out.append(part)
             cur = None
         # else: a union tag that pydantic puts in the location; it is not in the data
+    return tuple(out)
+
+
+def _in_data(raw: Any, loc: tuple) -> tuple:
+    """The part of a location that is in the data (a model validator's location ends
+    with the union tag of its model, which is not)."""
+    out, cur = [], raw
+    for part in loc:
+        if isinstance(cur, dict) and part in cur:
+            out.append(part)
+            cur = cur[part]
     return tuple(out)
 
 

@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 
 
 class Engine:
     """The interface every engine implements."""
 
     device: torch.device
+    model: nn.Module
 
     def micro_step(self, inputs: Any, targets: Any, loss_fn: Callable, accum: int, last: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the detached, unscaled loss."""
@@ -24,10 +27,61 @@ def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"])
 
 
-def build_engine(cfg: dict, model: torch.nn.Module, device: torch.device) -> Engine:
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def layer_units(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
+    """The repeated blocks of a model: modules of the named classes, else the items
+    of its ModuleLists (the transformer blocks of most models, ours included)."""
+    if class_names:
+        return [m for m in model.modules() if type(m).__name__ in class_names]
+    units = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            units.extend(m)
+    return units
+
+
+def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> None:
+    """Recompute each unit in backward instead of keeping its activations (non-reentrant,
+    which works under DDP, FSDP2 and DeepSpeed alike)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing as apply,
+        checkpoint_wrapper,
+    )
+
+    ids = {id(u) for u in units}
+    apply(
+        model,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in ids,
+    )
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 compute with fp32 weights (DDP's mixed precision)."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_engine(cfg: dict, model: nn.Module, device: torch.device) -> Engine:
     kind = cfg["engine"]["kind"]
+    if cfg["engine"].get("activation_checkpointing"):
+        apply_activation_checkpointing(model, layer_units(model, cfg["engine"].get("wrap")))
     if kind == "ddp":
         from .ddp import DDPEngine
 
         return DDPEngine(cfg, model, device)
+    if kind == "fsdp":
+        from .fsdp import FSDPEngine
+
+        return FSDPEngine(cfg, model, device)
+    if kind == "deepspeed":
+        from .deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(cfg, model, device)
     raise ValueError(f"engine.kind '{kind}' is not known to this trainer")

@@ -7,16 +7,20 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Engine, make_optimizer
+from .base import Engine, autocast, make_optimizer, set_lr
 
 
 class DDPEngine(Engine):
     def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
         self.device = device
+        self.precision = cfg["engine"]["precision"]
         model = model.to(device)
         ids = [device.index] if device.type == "cuda" else None
         self.model = DistributedDataParallel(
-            model, device_ids=ids, find_unused_parameters=cfg["engine"]["find_unused_parameters"]
+            model,
+            device_ids=ids,
+            find_unused_parameters=cfg["engine"]["find_unused_parameters"],
+            gradient_as_bucket_view=True,  # no second copy of the gradients
         )
         self.optimizer = make_optimizer(self.model.parameters(), cfg["optimizer"])
         self.grad_clip = cfg["optimizer"]["grad_clip"]
@@ -25,13 +29,13 @@ class DDPEngine(Engine):
         # skip the gradient all-reduce on all but the last micro-batch of a step
         ctx = contextlib.nullcontext() if last else self.model.no_sync()
         with ctx:
-            loss = loss_fn(self.model(inputs), targets)
+            with autocast(self.device, self.precision):
+                loss = loss_fn(self.model(inputs), targets)
             (loss / accum).backward()
-        return loss.detach()
+        return loss.detach().float()
 
     def optimizer_step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
