@@ -32,6 +32,21 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+class TorchOptimizerStep:
+    """The optimizer step of the engines that own a torch optimizer (DDP, FSDP2)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_clip: float | None
+
+    def optimizer_step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)  # DTensor-aware under FSDP2
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def layer_units(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
     """The repeated blocks of a model: modules of the named classes, else the items
     of its ModuleLists (the transformer blocks of most models, ours included)."""

@@ -7,10 +7,10 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Engine, autocast, make_optimizer, set_lr
+from .base import Engine, TorchOptimizerStep, autocast, make_optimizer
 
 
-class DDPEngine(Engine):
+class DDPEngine(TorchOptimizerStep, Engine):
     def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.precision = cfg["engine"]["precision"]
@@ -33,10 +33,3 @@ class DDPEngine(Engine):
                 loss = loss_fn(self.model(inputs), targets)
             (loss / accum).backward()
         return loss.detach().float()
-
-    def optimizer_step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import distributed as dist
 
-from .base import Engine, layer_units, make_optimizer, set_lr
+from .base import Engine, TorchOptimizerStep, layer_units, make_optimizer
 
 
 def device_mesh(device: torch.device, sharding: str, per_node: int):
@@ -22,7 +22,7 @@ def device_mesh(device: torch.device, sharding: str, per_node: int):
     return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(TorchOptimizerStep, Engine):
     def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -52,10 +52,3 @@ class FSDPEngine(Engine):
         loss = loss_fn(self.model(inputs), targets)
         (loss / accum).backward()
         return loss.detach().float()
-
-    def optimizer_step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
