@@ -31,6 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("schema", help="print the spec's JSON Schema (for editors), or its reference as Markdown")
     sp.add_argument("--markdown", action="store_true", help="the field reference as a Markdown table")
 
+    sp = sub.add_parser("plan", help="per-GPU memory and communication of each engine, and the one to use")
+    spec_args(sp)
+    sp.add_argument("--gpu-memory", metavar="SIZE", help="memory of one GPU, e.g. 80G (default: resources.gpu_memory)")
+    sp.add_argument("--nodes", type=int, help="nodes (default: resources.nodes)")
+    sp.add_argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (default: resources.tasks_per_node)")
+    sp.add_argument("--task", type=int, default=0, help="which sweep task to plan (default 0)")
+    sp.add_argument("--json", action="store_true")
+
     sp = sub.add_parser("submit", help="validate, expand the sweep and submit every task")
     spec_args(sp)
     sp.add_argument("--executor", choices=["local", "slurm"], help="default: slurm when sbatch is found, else local")
@@ -94,6 +102,39 @@ def cmd_schema(args) -> int:
     else:
         print(json.dumps(Spec.model_json_schema(), indent=2))
     return 0
+
+
+def cmd_plan(args) -> int:
+    from . import memory_plan as mp
+    from .units import parse_memory_mb
+
+    home = service.home_dir(args.home)
+    plan = service.make_plan(args.spec, args.overrides, "local", home)
+    tasks = {t.index: t for t in plan.tasks}
+    if args.task not in tasks:
+        raise UserError(f"--task {args.task}: the sweep has tasks 0..{len(tasks) - 1}")
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1")
+    try:
+        gpu_memory = parse_memory_mb(args.gpu_memory) * 1024**2 if args.gpu_memory else None
+    except ValueError as exc:
+        raise UserError(f"--gpu-memory: {exc}") from None
+    spec = _task_spec(plan, args.task)
+    doc = mp.plan(mp.shape_of(spec), mp.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory))
+    doc["spec_engine"] = mp.candidate_of(spec.engine)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        _console().print(*render.memory_plan_tables(doc))
+    return 0
+
+
+def _task_spec(plan, index: int):
+    from .spec import Spec
+
+    config = {k: v for k, v in plan.tasks[index].config.items() if k in Spec.model_fields}
+    return Spec.model_validate(config)
 
 
 def cmd_submit(args) -> int:
@@ -278,6 +319,7 @@ def cmd_cancel(args) -> int:
 COMMANDS = {
     "validate": cmd_validate,
     "schema": cmd_schema,
+    "plan": cmd_plan,
     "submit": cmd_submit,
     "status": cmd_status,
     "logs": cmd_logs,

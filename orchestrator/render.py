@@ -95,3 +95,28 @@ def event_line(e: dict) -> str:
     who = "experiment" if e["idx"] is None else f"task {e['idx']}" + (f" attempt {e['attempt']}" if e["attempt"] else "")
     change = f" {e['old_state'] or '-'} -> {e['new_state']}" if e["new_state"] else ""
     return f"{when}  {who:<20} {e['kind']:<22}{change}  {e['cause']}"
+
+
+def memory_plan_tables(doc: dict) -> list:
+    """`orchestrate plan` as a table of engines and the recommendation under it."""
+    from rich.text import Text
+
+    from .memory_plan import human
+
+    s, m, rec = doc["setting"], doc["model"], doc["recommendation"]
+    gpu = human(s["gpu_memory"]) if s["gpu_memory"] else "not given"
+    title = (
+        f"{m['params'] / 1e6:,.1f} M parameters, {s['nodes']} node(s) x {s['gpus_per_node']} GPU(s), "
+        f"micro-batch {s['micro_batch']} x {s['grad_accum']} accumulation, {s['precision']}, GPU memory {gpu}"
+    )
+    t = Table(title=title, title_justify="left")
+    for col in ("engine", "params", "grads", "optimizer", "working", "activations", "act. (ckpt)", "peak", "peak (ckpt)", "offloaded", "comm/step"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for e in doc["engines"]:
+        name = e["name"] + (" (spec)" if e["name"] == doc.get("spec_engine") else "")
+        t.add_row(
+            name,
+            *(human(e[k]) for k in ("params", "grads", "optimizer", "working", "activations", "activations_checkpointed", "peak", "peak_checkpointed", "offloaded", "comm_bytes")),
+        )
+    verdict = f"recommended: {rec['name']}" + (" with activation checkpointing" if rec["activation_checkpointing"] else "") if rec["name"] else "no recommendation"
+    return [t, Text(f"{verdict}\n{rec['reason']}")]

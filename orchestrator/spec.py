@@ -245,6 +245,9 @@ class Resources(Strict):
     cpus_per_task: int = Field(1, ge=1, description="CPU cores per rank.")
     gpus_per_task: int = Field(0, ge=0, description="GPUs per rank (0 or 1 for one device per rank).")
     mem: str | None = Field(None, description="Memory per node, SLURM syntax (`16G`); null: the partition default.")
+    gpu_memory: str | None = Field(
+        None, description="Memory of one GPU (`80G`), for `orchestrate plan`'s recommendation; not sent to SLURM."
+    )
     time: str = Field("01:00:00", description="Time limit per task, SLURM syntax (`HH:MM:SS`, `D-HH:MM:SS`).")
     partition: str | None = Field(None, description="SLURM partition.")
     account: str | None = Field(None, description="SLURM account.")
@@ -274,7 +277,7 @@ class Resources(Strict):
             raise ValueError("time limit must be positive")
         return v
 
-    @field_validator("mem")
+    @field_validator("mem", "gpu_memory")
     @classmethod
     def _mem(cls, v: str | None) -> str | None:
         if v is not None:

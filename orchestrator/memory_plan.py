@@ -1,0 +1,316 @@
+"""Per-GPU memory and communication of each engine for a spec, and a recommendation (pure).
+
+Model states follow what each engine keeps (bytes per parameter, Ψ = parameters,
+N = data-parallel ranks, L = parameters of the largest layer):
+
+- DeepSpeed, mixed precision: 16-bit parameters (2), 16-bit gradients (2), fp32
+  gradients (4), fp32 master parameters (4), Adam moments (8); stage 1 partitions
+  the last three, stage 2 also the 16-bit gradients, stage 3 everything (its 16-bit
+  gradients go straight into the fp32 partition; 4L is the gathered working set of
+  the largest layer). This is DeepSpeed's own accounting, so its estimators agree.
+- fp32 (any engine): parameters 4, gradients 4, Adam moments 8; no master copy.
+- DDP: full replicas (bf16 autocast keeps fp32 weights): 16Ψ.
+- FSDP2: fp32 shards of parameters, gradients and Adam moments (16Ψ/N), plus the
+  unsharded working parameters and gradients: two units (current and prefetched)
+  under `full`, every unit under `shard_grad_op`; `hybrid` shards over one node.
+
+Activations of the built-in model use Korthikanti et al. (2022): per layer
+s·b·h·(34 + 5·a·s/h) bytes in 16-bit (an upper bound with fused attention);
+with activation checkpointing only each layer's input (s·b·h) stays, plus one
+layer recomputed at a time; the logits add s·b·V·(e + 4).
+
+Communication is per rank and optimizer step, ring collectives ((N-1)/N of the
+data each way), with G micro-batches per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+GIB = 1024**3
+USABLE = 0.9  # of GPU memory: the rest is the CUDA context, allocator slack, buffers
+
+
+@dataclass(frozen=True)
+class Shape:
+    params: int
+    largest_layer: int  # the largest single module (DeepSpeed's working set under ZeRO-3)
+    unit: int  # parameters of one sharding unit (a transformer block)
+    layers: int | None = None
+    d_model: int | None = None
+    n_head: int | None = None
+    seq_len: int | None = None
+    vocab: int | None = None
+
+
+def gpt_shape(vocab: int, seq_len: int, d: int, layers: int, heads: int) -> Shape:
+    """Parameters of the built-in model (train_entry.models.GPT), counted exactly."""
+    block = 12 * d * d + 13 * d  # qkv, proj, the MLP's two Linear layers, two LayerNorms
+    total = 2 * vocab * d + seq_len * d + layers * block + 2 * d  # embedding, head, positions, final norm
+    largest = max(vocab * d, 4 * d * d + 4 * d)
+    return Shape(total, largest, block, layers, d, heads, seq_len, vocab)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The hardware and batch the plan is for."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int | None  # bytes per device; None: no recommendation, figures only
+    micro_batch: int
+    grad_accum: int
+    precision: str  # fp32 | bf16 | fp16
+    optimizer: str = "adamw"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    engine: dict  # the spec's `engine:` mapping for it
+    offload_level: int = 0  # 0 none, 1 optimizer to CPU, 2 + parameters to CPU, 3 NVMe
+
+
+CANDIDATES = (
+    Candidate("ddp", {"kind": "ddp"}),
+    Candidate("zero1", {"kind": "deepspeed", "stage": 1}),
+    Candidate("zero2", {"kind": "deepspeed", "stage": 2}),
+    Candidate("fsdp-shard-grad-op", {"kind": "fsdp", "sharding": "shard_grad_op"}),
+    Candidate("fsdp-hybrid", {"kind": "fsdp", "sharding": "hybrid"}),
+    Candidate("fsdp-full", {"kind": "fsdp", "sharding": "full"}),
+    Candidate("zero3", {"kind": "deepspeed", "stage": 3}),
+    Candidate("fsdp-full-cpu-offload", {"kind": "fsdp", "sharding": "full", "cpu_offload": True}, 2),
+    Candidate("zero2-offload-optimizer", {"kind": "deepspeed", "stage": 2, "offload_optimizer": "cpu"}, 1),
+    Candidate("zero3-offload-optimizer", {"kind": "deepspeed", "stage": 3, "offload_optimizer": "cpu"}, 1),
+    Candidate(
+        "zero3-offload-all", {"kind": "deepspeed", "stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}, 2
+    ),
+    Candidate(
+        "zero3-nvme", {"kind": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}, 3
+    ),
+)
+
+
+@dataclass
+class Estimate:
+    name: str
+    engine: dict
+    params: int  # bytes per device
+    grads: int
+    optimizer: int
+    working: int  # gathered parameters and gradients of the layers in use
+    activations: int | None
+    activations_checkpointed: int | None
+    offloaded: int  # bytes per device moved to CPU memory (or NVMe)
+    comm_bytes: int  # per device per optimizer step
+    inter_node_bytes: int
+    offload_level: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer + self.working
+
+    def peak(self, checkpointing: bool) -> int | None:
+        act = self.activations_checkpointed if checkpointing else self.activations
+        return None if act is None else self.model_states + act
+
+
+def _adam_bytes(optimizer: str) -> int:
+    return 8 if optimizer == "adamw" else 4  # Adam: two moments; SGD: momentum (upper bound)
+
+
+def activations(shape: Shape, s: Setting) -> tuple[int | None, int | None]:
+    """(without, with activation checkpointing) bytes per device, built-in model only."""
+    if shape.layers is None:
+        return None, None
+    e = 4 if s.precision == "fp32" else 2
+    sbh = shape.seq_len * s.micro_batch * shape.d_model
+    per_layer = int(sbh * (34 + 5 * shape.n_head * shape.seq_len / shape.d_model) * e / 2)
+    logits = shape.seq_len * s.micro_batch * shape.vocab * (e + 4)
+    full = shape.layers * per_layer + logits
+    checkpointed = shape.layers * sbh * e + per_layer + logits
+    return full, checkpointed
+
+
+def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
+    """One candidate's figures; None when it does not apply (hybrid on one node)."""
+    P, N, G = shape.params, s.world, s.grad_accum
+    ring = (N - 1) / N if N > 1 else 0.0
+    mixed = s.precision != "fp32"
+    opt = _adam_bytes(s.optimizer)
+    kind = c.engine["kind"]
+    act, act_ckpt = activations(shape, s)
+    notes: list[str] = []
+    inter = 0
+    if kind == "ddp":
+        params, grads, optim, working, offloaded = 4 * P, 4 * P, opt * P, 0, 0
+        comm = int(2 * 4 * P * ring)
+    elif kind == "fsdp":
+        sharding = c.engine["sharding"]
+        if sharding == "hybrid" and s.nodes < 2:
+            return None
+        shard_over = s.gpus_per_node if sharding == "hybrid" else N
+        e_p = 2 if mixed else 4
+        states = (4 * P // shard_over, 4 * P // shard_over, opt * P // shard_over)
+        gathered = P if sharding == "shard_grad_op" else min(P, 2 * shape.unit)
+        working = gathered * e_p + 2 * shape.unit * 4  # unsharded params in use + one unit's unsharded grads
+        sring = (shard_over - 1) / shard_over if shard_over > 1 else 0.0
+        gathers = 1 if sharding == "shard_grad_op" else 2
+        comm = int(G * gathers * P * e_p * sring + P * 4 * sring)
+        if sharding == "hybrid":
+            inter = int(2 * (P // shard_over) * 4 * (s.nodes - 1) / s.nodes)
+            comm += inter
+        if c.engine.get("cpu_offload"):
+            params, grads, optim, offloaded = 0, 0, 0, sum(states)
+        else:
+            (params, grads, optim), offloaded = states, 0
+    else:  # deepspeed
+        stage = c.engine["stage"]
+        part = lambda nbytes, from_stage: nbytes * P // N if stage >= from_stage else nbytes * P  # noqa: E731
+        if mixed:
+            params = part(2, 3)
+            grads = (0 if stage == 3 else part(2, 2)) + part(4, 1)
+            optim = part(4, 1) + part(opt, 1)
+        else:
+            params, grads, optim = part(4, 3), part(4, 2), part(opt, 1)
+        working = 4 * shape.largest_layer if stage == 3 else 0
+        offloaded = 0
+        if c.engine.get("offload_optimizer", "none") != "none":  # ZeRO-Offload: gradients, master weights, moments
+            offloaded, grads, optim = grads + optim, 0, 0
+        if c.engine.get("offload_param", "none") != "none":
+            offloaded, params = offloaded + params, 0
+        e = 2 if mixed else 4
+        per_micro = {0: 0, 1: 0, 2: P * e * ring, 3: 3 * P * e * ring}[stage]
+        at_boundary = {0: 2 * P * e * ring, 1: 2 * P * e * ring, 2: P * e * ring, 3: 0}[stage]
+        comm = int(G * per_micro + at_boundary)
+    if kind != "fsdp" and s.nodes > 1:
+        inter = comm  # flat rings cross node boundaries with all of it
+    return Estimate(
+        c.name, c.engine, params, grads, optim, working, act, act_ckpt, offloaded, comm, inter, c.offload_level, notes
+    )
+
+
+@dataclass
+class Recommendation:
+    name: str | None
+    engine: dict | None
+    activation_checkpointing: bool
+    peak: int | None
+    reason: str
+
+
+def recommend(estimates: list[Estimate], s: Setting, shape: Shape) -> Recommendation:
+    """The cheapest setting that fits: no offload before offload, no recomputation
+    before recomputation, then the least communication."""
+    if s.gpu_memory is None:
+        return Recommendation(None, None, False, None, "no GPU memory given (resources.gpu_memory or --gpu-memory)")
+    budget = int(s.gpu_memory * USABLE)
+    options = []
+    order = {c.name: i for i, c in enumerate(CANDIDATES)}  # simplest first, on equal cost
+    for est in estimates:
+        for ac in (False, True):
+            peak = est.peak(ac)
+            if peak is None:
+                peak = est.model_states  # entry-point model: activations unknown
+            options.append(((est.offload_level, ac, est.comm_bytes, order[est.name]), est, ac, peak))
+    options.sort(key=lambda o: o[0])
+    fits = [o for o in options if o[3] <= budget]
+    unknown_act = shape.layers is None
+    suffix = " (model states only: activations of an entry-point model are not estimated)" if unknown_act else ""
+    if not fits:
+        least = min(options, key=lambda o: o[3])
+        return Recommendation(
+            None,
+            None,
+            False,
+            None,
+            f"nothing fits in {_gib(budget)} usable per GPU ({int(USABLE * 100)} % of {_gib(s.gpu_memory)}): the least "
+            f"is {least[1].name}{' with activation checkpointing' if least[2] else ''} at {_gib(least[3])}; "
+            f"add nodes, or lower batch.micro_batch_size or the sequence length{suffix}",
+        )
+    _, best, ac, peak = fits[0]
+    cheaper = [o for o in options if o[0] < fits[0][0] and not (o[1] is best and o[2] == ac)]
+    why = f"{best.name}{' with activation checkpointing' if ac else ''} is the cheapest that fits: {_gib(peak)} of {_gib(budget)} usable per GPU"
+    if cheaper:
+        shown = sorted({(o[1].name + (" +ckpt" if o[2] else ""), o[3]) for o in cheaper}, key=lambda x: x[1])[:3]
+        why += "; cheaper ones need " + ", ".join(f"{n} {_gib(p)}" for n, p in shown)
+    return Recommendation(best.name, best.engine, ac, peak, why + suffix)
+
+
+def plan(shape: Shape, s: Setting) -> dict:
+    estimates = [e for c in CANDIDATES if (e := estimate(c, shape, s)) is not None]
+    rec = recommend(estimates, s, shape)
+    return {
+        "setting": asdict(s) | {"world_size": s.world},
+        "model": asdict(shape),
+        "engines": [
+            asdict(e) | {"model_states": e.model_states, "peak": e.peak(False), "peak_checkpointed": e.peak(True)}
+            for e in estimates
+        ],
+        "recommendation": asdict(rec),
+    }
+
+
+def _gib(n: int | None) -> str:
+    return human(n)
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- from a spec
+
+
+def shape_of(spec) -> Shape:
+    """The built-in model's shape from the spec; an entry point's by building its model once."""
+    m = spec.model
+    if m.kind == "gpt":
+        vocab = 256 if spec.data.kind == "text" else spec.data.vocab_size
+        return gpt_shape(vocab, m.seq_len, m.d_model, m.n_layer, m.n_head)
+    from train_entry.engines.base import layer_units
+    from train_entry.models import build_workload
+
+    model = build_workload({"model": m.model_dump(), "data": spec.data.model_dump()}).model
+    total = sum(p.numel() for p in model.parameters())
+    leaves = [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules()]
+    units = [sum(p.numel() for p in u.parameters()) for u in layer_units(model)]
+    return Shape(total, max(leaves, default=total), max(units, default=total))
+
+
+def setting_of(spec, nodes: int | None = None, gpus_per_node: int | None = None, gpu_memory: int | None = None) -> Setting:
+    from .units import parse_memory_mb
+
+    r = spec.resources
+    if gpu_memory is None and r.gpu_memory:
+        gpu_memory = parse_memory_mb(r.gpu_memory) * 1024**2
+    return Setting(
+        nodes=nodes or r.nodes,
+        gpus_per_node=gpus_per_node or r.tasks_per_node,
+        gpu_memory=gpu_memory,
+        micro_batch=spec.batch.micro_batch_size,
+        grad_accum=spec.batch.grad_accum,
+        precision=spec.engine.precision,
+        optimizer=spec.optimizer.name,
+    )
+
+
+def candidate_of(engine) -> str | None:
+    """The candidate that a spec's engine is (None for settings the plan does not list)."""
+    e = engine.model_dump()
+    for c in CANDIDATES:
+        if all(e.get(k) == v for k, v in c.engine.items()) and all(
+            e.get(k) in (None, "none", False) for k in ("offload_optimizer", "offload_param", "cpu_offload") if k not in c.engine
+        ):
+            return c.name
+    return None
