@@ -5,12 +5,14 @@ PIP := $(PYTHON) -m pip
 # meant for a throwaway machine or a virtual environment you activated yourself.
 export PIP_BREAK_SYSTEM_PACKAGES := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# DeepSpeed builds from source: no ops ahead of time (the engines compile none they need)
+export DS_BUILD_OPS := 0
 
 .PHONY: install quickstart test test-fast
 
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,deepspeed,hf]'
 
 quickstart: install
 	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait

@@ -22,6 +22,7 @@ class Engine:
 
 
 def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]  # frozen weights (LoRA's base) have no state
     if cfg["name"] == "sgd":
         return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
     return torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"])

@@ -49,7 +49,7 @@ class DeepSpeedEngine(Engine):
         zero = ds_config.get("zero_optimization", {})
         offload = "offload_optimizer" in zero or "offload_param" in zero
         model = model.to(device)
-        optimizer = make_ds_optimizer(model.parameters(), cfg["optimizer"], device.type == "cuda" and offload)
+        optimizer = make_ds_optimizer([p for p in model.parameters() if p.requires_grad], cfg["optimizer"], device.type == "cuda" and offload)
         self.model, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
         )
