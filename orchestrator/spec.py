@@ -126,7 +126,7 @@ class _EngineCommon(Strict):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="`fp32`, `bf16` (mixed precision: bf16 compute, fp32 master weights and reductions) or "
-        "`fp16` (deepspeed only: it has dynamic loss scaling).",
+        "`fp16` (deepspeed on GPUs only: it has dynamic loss scaling).",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each transformer block in the backward pass instead of storing its activations."
@@ -394,6 +394,11 @@ class Spec(Strict):
             b.grad_accum = 1
         if b.global_batch_size is None:
             b.global_batch_size = per_step * b.grad_accum
+        if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:
+            raise FieldError(
+                ("engine", "precision"),
+                "fp16 runs on GPUs only (DeepSpeed's CPU accelerator has no fp16); use bf16, or set resources.gpus_per_task: 1",
+            )
         if self.engine.kind == "fsdp" and self.engine.sharding == "hybrid" and self.resources.nodes < 2:
             raise FieldError(
                 ("engine", "sharding"),

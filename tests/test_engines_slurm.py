@@ -54,3 +54,25 @@ def test_every_engine_trains_across_two_nodes_and_the_loss_falls(slurm, home, tm
     assert all(abs(v - finals["ddp"]) < 2e-3 for v in finals.values()), finals
     # nothing was compiled on the way: no op build stalls a first DeepSpeed run
     assert not ext.exists() or not any(ext.iterdir()), list(ext.iterdir())
+
+
+OPTIONS = {
+    "fsdp-hybrid-bf16-ckpt": {"kind": "fsdp", "sharding": "hybrid", "precision": "bf16", "activation_checkpointing": True},
+    "fsdp-cpu-offload": {"kind": "fsdp", "sharding": "full", "cpu_offload": True},
+    "zero2-bf16-ckpt": {"kind": "deepspeed", "stage": 2, "precision": "bf16", "activation_checkpointing": True},
+    "zero3-bf16-offload-optimizer": {"kind": "deepspeed", "stage": 3, "precision": "bf16", "offload_optimizer": "cpu"},
+}
+
+
+def test_precision_offload_checkpointing_and_hybrid_sharding_on_two_nodes_of_two_ranks(slurm, home, tmp_path):
+    points = json.dumps([{"engine": e} for e in OPTIONS.values()])
+    text = SPEC.format(points=points).replace("tasks_per_node: 1", "tasks_per_node: 2").replace("mem: 1G", "mem: 2G")
+    spec = write(tmp_path / "options.yaml", text)
+    out = cli("submit", str(spec), "--executor", "slurm", "--wait", "--json", home=home, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    exp = json.loads(out.stdout)["experiments"][0]
+    ledger = Ledger.open(home / "ledger.db")
+    for name, task in zip(OPTIONS, exp["tasks"]):
+        assert task["state"] == "COMPLETED" and task["step"] == 40 and len(task["nodes"]) == 2, (name, task)
+        losses = [m["loss"] for m in ledger.metrics(exp["id"], task["index"])]
+        assert losses[0] - losses[-1] > 0.1, (name, losses)

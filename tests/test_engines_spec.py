@@ -44,6 +44,7 @@ def test_batch_numbers_that_do_not_add_up_name_the_field_and_the_sum(tmp_path):
         ("{kind: deepspeed, config: {train_batch_size: 64}}", "engine.config.train_batch_size", "use `batch.global_batch_size`"),
         ("{kind: deepspeed, config: {zero_optimization: {stage: 3}}}", "engine.config.zero_optimization.stage", "use `engine.stage`"),
         ("{kind: fsdp, sharding: hybrid}", "engine.sharding", "with resources.nodes: 1 use `full`"),
+        ("{kind: deepspeed, precision: fp16}", "engine.precision", "fp16 runs on GPUs only"),
     ],
 )
 def test_options_the_engine_does_not_have_are_rejected_naming_the_field(tmp_path, engine, path, words):
