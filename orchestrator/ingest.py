@@ -31,6 +31,7 @@ class LaunchRecord:
     started: float
     node_records: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
+    requeue: dict | None = None  # node 0's decision after a save on the checkpoint signal
 
     @property
     def ended(self) -> bool:
@@ -82,6 +83,7 @@ def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
         for f in sorted(d.glob("rank-*.error.json")):
             if (e := protocol.read_json(f)) is not None:
                 rec.errors.append(e)
+        rec.requeue = protocol.read_json(d / "requeue.json")
         out.append(rec)
     return sorted(out, key=lambda r: (r.started, r.restart_count))
 
@@ -125,9 +127,17 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
         for m in metrics
         if "step" in m
     ]
-    if not hb_rows and not metric_rows:
+    epath = protocol.events_path(task_dir)
+    eoffset = ledger.cursor(str(epath))
+    trainer_events, new_eoffset = protocol.read_jsonl_from(epath, eoffset)
+    if not hb_rows and not metric_rows and not trainer_events:
         return
     with ledger.tx():
+        for e in trainer_events:
+            ledger.event(exp_id, e.get("event", "trainer"), e.get("cause", ""), idx=idx)
+            if e.get("event") == "checkpoint.committed" and e.get("folder"):
+                ledger.record_checkpoint(exp_id, idx, int(e["step"]), e["folder"], e.get("time"))
+        ledger.set_cursor(str(epath), new_eoffset)
         ledger.upsert_heartbeats(hb_rows)
         ledger.add_metrics(metric_rows)
         ledger.set_cursor(str(mpath), new_offset)

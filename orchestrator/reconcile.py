@@ -64,8 +64,15 @@ def decide(attempt: dict, launch: LaunchRecord | None, obs: Observation | None) 
         code = launch.exit_code
         state = attempt_state_for_exit(code)
         reason = exit_reason(code)
+        if state == AttemptState.REQUEUED:
+            why = (launch.requeue or {}).get("reason", "checkpoint signal")
+            if launch.requeue and launch.requeue.get("by") is None:
+                state, reason = AttemptState.FAILED, f"saved, but not requeued: {why}"
+            else:
+                by = {"slurm": "SLURM", "agent": "the node agent"}.get((launch.requeue or {}).get("by"), "the executor")
+                reason = f"saved on the checkpoint signal ({why}); requeued by {by}"
         err = launch.root_error
-        if err and state != AttemptState.COMPLETED:
+        if err and state not in (AttemptState.COMPLETED, AttemptState.REQUEUED):
             reason = f"{reason}: rank {err.get('rank')} raised {err.get('type')}: {err.get('message', '')}"[:500]
             d.attempt["error"] = err.get("traceback")
         d.attempt.update(state=state.value, exit_code=code, ended_at=launch.ended_at, reason=reason)

@@ -136,13 +136,40 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
         ingest.ingest_progress(ledger, exp_id, idx, item.task["task_dir"])
         job_id = item.attempt["job_id"]
         launches = [l for l in ingest.read_launches(item.task["task_dir"]) if l.job_id == job_id]
-        decision = reconcile.decide(item.attempt, launches[-1] if launches else None, observations.get(job_id))
-        if decision.attempt:
-            ledger.update_attempt(exp_id, idx, item.attempt["number"], decision.cause, **decision.attempt)
-        if decision.task_state is not None:
-            failed = decision.task_state.terminal and decision.task_state != TaskState.COMPLETED
-            reason = decision.attempt.get("reason") if failed else None
-            ledger.set_task_state(exp_id, idx, decision.task_state, decision.cause, reason=reason)
+        attempt = item.attempt
+        # a requeued job runs again under the same id: each launch after the first is an attempt of its own
+        for launch in _newer_launches(launches, attempt):
+            own = next((l for l in launches if l.key == attempt["launch"]), None)
+            if own is not None and own.ended:
+                _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, own, None))
+            else:  # SLURM requeued the job before this launch could record its end (node failure, say)
+                cause = f"{job_id} was requeued by the scheduler before launch {attempt['launch']} recorded an end"
+                ledger.update_attempt(exp_id, idx, attempt["number"], cause, state=AttemptState.REQUEUED.value, reason=cause)
+            cause = f"{job_id} started again (restart {launch.restart_count})"
+            number = ledger.add_attempt(exp_id, idx, job_id, cause)
+            attempt = ledger.attempts(exp_id, idx)[number - 1]
+        obs = observations.get(job_id)
+        if launches and attempt["launch"] == launches[-1].key and obs is not None and obs.state == AttemptState.PENDING:
+            obs = None  # the job is pending again after this launch: requeued, the launch record tells the rest
+        _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launches[-1] if launches else None, obs))
+
+
+def _newer_launches(launches: list, attempt: dict) -> list:
+    if not attempt["launch"]:
+        return []
+    keys = [l.key for l in launches]
+    if attempt["launch"] not in keys:
+        return []
+    return launches[keys.index(attempt["launch"]) + 1 :]
+
+
+def _apply(ledger: Ledger, exp_id: str, idx: int, attempt: dict, decision: reconcile.Decision) -> None:
+    if decision.attempt:
+        ledger.update_attempt(exp_id, idx, attempt["number"], decision.cause, **decision.attempt)
+    if decision.task_state is not None:
+        failed = decision.task_state.terminal and decision.task_state != TaskState.COMPLETED
+        reason = decision.attempt.get("reason") if failed else None
+        ledger.set_task_state(exp_id, idx, decision.task_state, decision.cause, reason=reason)
 
 
 # ---------------------------------------------------------------- cancel

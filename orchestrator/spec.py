@@ -326,10 +326,31 @@ class Checkpoint(Strict):
     every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")
     every_minutes: float | None = Field(None, gt=0, description="Save when this much time passed since the last save.")
     keep_last: int = Field(2, ge=2, description="Committed checkpoints kept; at least 2, since the newest may be damaged.")
+    async_save: bool = Field(
+        False, description="Write DCP checkpoints (ddp, fsdp) in a background thread; training waits only for the copy."
+    )
+    verify: Literal["size", "sha256"] = Field(
+        "sha256", description="What resume checks before loading a checkpoint: file sizes, or also their sha256 (split over the ranks)."
+    )
+    signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = Field(
+        "USR2", description="Signal SLURM sends before the time limit (USR2: NCCL may claim USR1)."
+    )
+    signal_before_s: int = Field(
+        120, ge=10, description="Seconds before the time limit that the signal comes; leave room for one step and one save."
+    )
+    resume_from: str | None = Field(
+        None,
+        description="A committed checkpoint folder (`.../checkpoints/step-N`) to start from when the task has none of its "
+        "own; it may come from another world size.",
+    )
+
 
 
 class Retry(Strict):
     max_restarts: int = Field(3, ge=0, description="Relaunches of a task after infrastructure failures.")
+    max_requeues: int = Field(
+        100, ge=0, description="Requeues after preemption or time limit (each resumes from the last checkpoint)."
+    )
 
 
 class Heartbeat(Strict):
@@ -394,6 +415,8 @@ class Spec(Strict):
             b.grad_accum = 1
         if b.global_batch_size is None:
             b.global_batch_size = per_step * b.grad_accum
+        if self.checkpoint.async_save and self.engine.kind == "deepspeed":
+            raise FieldError(("checkpoint", "async_save"), "DeepSpeed saves synchronously; async_save is for ddp and fsdp (DCP)")
         if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:
             raise FieldError(
                 ("engine", "precision"),

@@ -66,7 +66,7 @@ def test_sweep_is_one_throttled_array(tmp_path):
 def test_request_is_per_node_for_one_agent_per_node(tmp_path):
     p = batch_parameters(plan_of(tmp_path, GPU_SPEC))
     assert (p["nodes"], p["ntasks_per_node"], p["cpus_per_task"], p["gpus_per_node"]) == (2, 1, 32, 4)
-    assert p["time"] == 36 * 60 and p["additional_parameters"] == {"mem": "245760M", "mail-type": "END", "exclusive": True}
+    assert p["time"] == 36 * 60 and p["additional_parameters"] == {"requeue": True, "mem": "245760M", "mail-type": "END", "exclusive": True}
     assert p["exclude"] == "g001,g007" and p["srun_args"][0] == "--kill-on-bad-exit=1"
 
 

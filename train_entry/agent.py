@@ -22,7 +22,7 @@ from pathlib import Path
 from orchestrator import protocol
 from orchestrator.protocol import ExitCode
 
-from .env import NodeContext, node_context, rendezvous
+from .env import NodeContext, node_context, rendezvous, scontrol_field
 
 TERM_GRACE_S = 10.0
 EXTERNAL_KILL_S = 1.0
@@ -78,7 +78,8 @@ def node_main(task_dir: str) -> int:
     launch = protocol.launch_key(ctx.job_id, ctx.restart_count)
     ldir = protocol.launches_dir(tdir) / launch
     flags = _Flags()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+    ckpt_signal = getattr(signal, "SIG" + cfg.get("checkpoint", {}).get("signal", "USR2"))
+    for sig in {signal.SIGTERM, signal.SIGINT, ckpt_signal}:
         signal.signal(sig, flags.handler)
 
     try:
@@ -149,7 +150,8 @@ def node_main(task_dir: str) -> int:
                 first_failed = rank if first_failed is None else first_failed
         if (first_failed is not None or cancelled) and stop_deadline is None:
             stop_deadline = time.time() + TERM_GRACE_S
-            _signal_all(procs, codes, signal.SIGTERM)
+            if cancelled or codes[first_failed] != ExitCode.REQUEUE:  # a saved rank's peers are exiting too
+                _signal_all(procs, codes, signal.SIGTERM)
         if stop_deadline is not None and time.time() > stop_deadline:
             _signal_all(procs, codes, signal.SIGKILL)
         time.sleep(0.1)
@@ -170,7 +172,40 @@ def node_main(task_dir: str) -> int:
             "ended": time.time(),
         },
     )
+    if code == ExitCode.REQUEUE and ctx.on_slurm:
+        code = requeue(ctx, cfg, ldir)
     return int(code)
+
+
+REQUEUE_WAIT_S = 60.0
+
+
+def requeue(ctx: NodeContext, cfg: dict, ldir: Path, run=subprocess.run) -> int:
+    """The ranks saved on the checkpoint signal. Node 0 puts the job back in the queue:
+    SLURM does it by itself after a preemption (its record then says PREEMPTED), so
+    only a time-limit signal needs ``scontrol requeue`` (its record says REQUEUED).
+    The other nodes wait for that decision, so srun does not stop node 0 halfway."""
+    record = ldir / "requeue.json"
+    if ctx.node_rank != 0:
+        deadline = time.time() + REQUEUE_WAIT_S
+        while not record.exists() and time.time() < deadline:
+            time.sleep(0.5)
+        return ExitCode.REQUEUE
+    limit = cfg.get("retry", {}).get("max_requeues", 100)
+    if ctx.restart_count >= limit:
+        protocol.atomic_write_json(record, {"by": None, "reason": f"requeue limit reached ({limit})", "time": time.time()})
+        return ExitCode.REQUEUE
+    # SLURM sets PreemptTime once a preemption began
+    preempted = scontrol_field("job", ctx.job_id, "PreemptTime", run=run) not in (None, "None", "Unknown")
+    if preempted:
+        protocol.atomic_write_json(record, {"by": "slurm", "reason": "preempted", "time": time.time()})
+        return ExitCode.REQUEUE
+    protocol.atomic_write_json(record, {"by": "agent", "reason": "time limit signal", "time": time.time()})
+    try:  # ends this job at once (the ranks are done) and queues it again
+        run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}", file=sys.stderr)
+    return ExitCode.REQUEUE
 
 
 def _signal_all(procs: dict, codes: dict, sig: int) -> None:

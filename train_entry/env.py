@@ -56,18 +56,21 @@ def node_context(env: Mapping[str, str]) -> NodeContext:
     )
 
 
-def slurm_node_addr(name: str, timeout: float = 10.0) -> str | None:
-    """The address SLURM has for a node (``NodeAddr``), for names that do not resolve."""
+def scontrol_field(entity: str, name: str, field: str, timeout: float = 30.0, run=subprocess.run) -> str | None:
+    """One field of ``scontrol show <entity> <name>``, or None when SLURM cannot say."""
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=timeout, check=True
-        ).stdout
+        out = run(["scontrol", "show", entity, name, "-o"], capture_output=True, text=True, timeout=timeout, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    for field in out.split():
-        if field.startswith("NodeAddr="):
-            return field.split("=", 1)[1]
+    for item in out.split():
+        if item.startswith(field + "="):
+            return item.split("=", 1)[1]
     return None
+
+
+def slurm_node_addr(name: str) -> str | None:
+    """The address SLURM has for a node (``NodeAddr``), for names that do not resolve."""
+    return scontrol_field("node", name, "NodeAddr", timeout=10.0)
 
 
 def rendezvous(

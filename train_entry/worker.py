@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -60,27 +61,66 @@ def pick_device(cfg: dict, ctx: RankContext):
     return device, backend
 
 
-def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat) -> float | None:
+class StopRequested(Exception):
+    """The checkpoint signal came: the run was saved and asks to be requeued."""
+
+
+class _SignalFlag:
+    """The checkpoint signal (preemption, time limit) only sets a flag; the loop acts on it."""
+
+    def __init__(self, name: str):
+        self.raised = False
+        signal.signal(getattr(signal, f"SIG{name}"), self._set)
+
+    def _set(self, _signum, _frame) -> None:
+        self.raised = True
+
+
+def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag) -> float | None:
     import torch
     from torch import distributed as dist
 
+    from .checkpoint import Checkpointer
     from .data import Sampler
     from .engines import build_engine
     from .models import build_workload
     from .schedule import lr_at
 
+    task_dir = cfg["task_dir"]
+    events = protocol.events_path(task_dir)
+
+    def event(kind: str, cause: str, **extra) -> None:
+        if ctx.rank == 0:
+            protocol.append_jsonl(events, {"event": kind, "cause": cause, "launch": ctx.launch, "time": time.time(), **extra})
+
+    ckpt = Checkpointer(cfg, task_dir, ctx.rank, ctx.world_size)
+    resume = ckpt.find_resume()
+    for folder, why in resume.skipped:
+        event("checkpoint.skipped", f"{folder}: {why}; trying an older one", folder=folder)
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     workload = build_workload(cfg)
-    engine = build_engine(cfg, workload.model, device)
+    engine = build_engine(cfg, workload.model, device, resume)
+    ckpt.engine = engine
     torch.manual_seed(cfg["seed"] * 7919 + ctx.rank)  # per-rank dropout streams
+    step = 0
+    if resume.folder is not None:
+        ckpt.load(resume)
+        step = resume.step
+        event("checkpoint.resumed", f"resumed from step {step} ({resume.folder}, world size {resume.world_size})", step=step)
     mb, accum = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"]
     sampler = Sampler(len(workload.dataset), cfg["seed"], mb, accum, ctx.world_size, ctx.rank)
     total, every = cfg["steps"], cfg["logging"]["every_steps"]
     items_per_step = mb * accum * ctx.world_size * workload.tokens_per_sample
 
-    step, last_loss = 0, None
+    def saved(info: dict | None, why: str) -> None:
+        if info and info.get("folder"):
+            event("checkpoint.committed", f"step {info['step']} saved ({why}): training blocked {info['blocked_s']:.2f} s, "
+                  f"{info['total_s']:.2f} s in all", **info)
+
+    last_loss = None
     hb.beat(step, "train", force=True)
     window_t0, window_steps = time.perf_counter(), 0
+    stop = torch.zeros(2, dtype=torch.int32)
     while step < total:
         t0 = time.perf_counter()
         lr = lr_at(step, total, cfg["optimizer"], cfg["schedule"])
@@ -99,7 +139,20 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat) -> float | None:
             now = time.perf_counter()
             hb.metric(step, last_loss, lr, items_per_step * window_steps / max(now - window_t0, 1e-9))
             window_t0, window_steps = now, 0
+        # every rank learns whether any rank got the signal, and whether a save is due
+        stop[0], stop[1] = int(flag.raised), int(ckpt.due(step, total))
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        saved(ckpt.poll_pending(), "asynchronous")
+        if stop[0] and step < total:
+            hb.beat(step, "saving", force=True)
+            saved(ckpt.save(step, {"launch": ctx.launch}), "on the checkpoint signal")
+            hb.beat(step, "requeue", force=True)
+            raise StopRequested(step)
+        if stop[1]:
+            hb.beat(step, "saving", force=True)
+            saved(ckpt.save(step, {"launch": ctx.launch}), "scheduled")
         hb.beat(step, "train")
+    saved(ckpt.finish_pending(), "asynchronous")
     hb.beat(step, "done", force=True)
     return last_loss
 
@@ -116,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INFRA_ERROR
     ctx = rank_context(os.environ)
     hb = Heartbeat(task_dir, ctx, cfg["heartbeat"]["interval_s"])
+    flag = _SignalFlag(cfg["checkpoint"]["signal"])
     hb.beat(0, "init", force=True)
     from torch import distributed as dist
 
@@ -126,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             timeout=datetime.timedelta(seconds=600),
             **({"device_id": device} if device.type == "cuda" else {}),
         )
-        loss = train(cfg, ctx, device, hb)
+        loss = train(cfg, ctx, device, hb, flag)
         if ctx.rank == 0:
             print(f"finished {cfg['steps']} steps, final loss {loss:.4f}", flush=True)
         return ExitCode.OK
+    except StopRequested as stop:
+        if ctx.rank == 0:
+            print(f"saved at step {stop.args[0]} on the checkpoint signal; asking to be requeued", flush=True)
+        return ExitCode.REQUEUE
     except BaseException as exc:  # noqa: BLE001 - every failure is classified and recorded
         code = classify(exc) if not isinstance(exc, KeyboardInterrupt) else ExitCode.CANCELLED
         traceback.print_exc()

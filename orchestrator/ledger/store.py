@@ -267,5 +267,18 @@ class Ledger:
     def set_cursor(self, path: str, offset: int) -> None:
         self.db["cursors"].upsert({"path": path, "offset": offset}, pk="path")
 
+    def record_checkpoint(self, exp_id: str, idx: int, step: int, path: str, created_at: float | None) -> None:
+        """A checkpoint the trainer committed; the task shows its newest."""
+        self.db["checkpoints"].upsert(
+            {"experiment_id": exp_id, "idx": idx, "step": step, "path": path, "state": "COMMITTED", "created_at": created_at},
+            pk=("experiment_id", "idx", "step"),
+        )
+        row = self.task(exp_id, idx)
+        if row.get("checkpoint") is None or step >= int(str(row["checkpoint"]).split(" ")[0] or 0):
+            self.update_task(exp_id, idx, checkpoint=str(step))
+
+    def checkpoints(self, exp_id: str, idx: int) -> list[dict]:
+        return list(self.db["checkpoints"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
+
     def events(self, exp_id: str) -> list[dict]:
         return list(self.db["events"].rows_where("experiment_id = ?", [exp_id], order_by="id"))

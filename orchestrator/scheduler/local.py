@@ -137,14 +137,21 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None) -> di
     limit = max_parallel or len(indices)
     pending, running, codes, signalled = list(indices), {}, {}, set()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    restarts = {i: 0 for i in indices}
     while pending or running:
         for i, proc in list(running.items()):
             if proc.poll() is not None:
+                del running[i]
+                if proc.returncode == protocol.ExitCode.REQUEUE and _may_requeue(run, i, restarts[i]) and not stop:
+                    # saved on the checkpoint signal: back in the queue, as SLURM requeues a job
+                    restarts[i] += 1
+                    signalled.discard(i)
+                    pending.insert(0, i)
+                    continue
                 codes[i] = proc.returncode
                 protocol.atomic_write_json(
                     state_path(run, i), {"state": "ENDED", "exit_code": proc.returncode, "time": time.time()}
                 )
-                del running[i]
         for i in list(pending):
             if stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists():
                 pending.remove(i)
@@ -158,11 +165,18 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None) -> di
             i = pending.pop(0)
             running[i] = subprocess.Popen(
                 [sys.executable, "-m", "train_entry.agent", str(protocol.task_dir(run, i))],
-                env={**env, "ORCHESTRATE_JOB_ID": f"{base_id}_{i}", "ORCHESTRATE_RESTART_COUNT": "0"},
+                env={**env, "ORCHESTRATE_JOB_ID": f"{base_id}_{i}", "ORCHESTRATE_RESTART_COUNT": str(restarts[i])},
                 stdin=subprocess.DEVNULL,
             )
             protocol.atomic_write_json(
-                state_path(run, i), {"state": "RUNNING", "pid": running[i].pid, "time": time.time()}
+                state_path(run, i),
+                {"state": "RUNNING", "pid": running[i].pid, "restart_count": restarts[i], "time": time.time()},
             )
         time.sleep(0.2)
     return {"exit_codes": codes}
+
+
+def _may_requeue(run: Path, index: int, restarts: int) -> bool:
+    cfg = protocol.read_json(protocol.task_config_path(protocol.task_dir(run, index))) or {}
+    cancelled = protocol.cancel_flag_path(protocol.task_dir(run, index)).exists()
+    return not cancelled and restarts < cfg.get("retry", {}).get("max_requeues", 100)

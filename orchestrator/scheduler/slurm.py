@@ -46,7 +46,11 @@ def batch_parameters(plan: Plan) -> dict:
     """The plan as submitit's sbatch parameters (the names of submitit's SlurmExecutor)."""
     r = plan.resources
     n = len(plan.tasks)
-    extra: dict = {}
+    ck = plan.spec.checkpoint
+    # requeue after preemption or node failure, and a signal before the time limit to save on
+    extra: dict = {"requeue": True}
+    if ck.signal != "USR2":  # submitit always writes USR2@<delay>; another signal overrides it
+        extra["signal"] = f"{ck.signal}@{ck.signal_before_s}"
     if r.mem:
         extra["mem"] = f"{parse_memory_mb(r.mem)}M"
     for key, value in r.sbatch_extra.items():
@@ -78,6 +82,7 @@ def batch_parameters(plan: Plan) -> dict:
         "wckey": "orchestrate",
         "array_parallelism": min(plan.max_parallel or n, n),
         "stderr_to_stdout": True,
+        "signal_delay_s": plan.spec.checkpoint.signal_before_s,
         "setup": setup,
         # one failed node agent ends the step: the others' ranks would only hang
         "srun_args": ["--kill-on-bad-exit=1", *r.srun_args],

@@ -20,6 +20,15 @@ class Engine:
     def optimizer_step(self, lr: float) -> None:
         raise NotImplementedError
 
+    state_format: str
+
+    def save_state(self, folder, asynchronous: bool = False):
+        """Collective: write this rank's shards under ``folder``; a future when asynchronous."""
+        raise NotImplementedError
+
+    def load_state(self, folder, same_world: bool) -> None:
+        raise NotImplementedError
+
 
 def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]  # frozen weights (LoRA's base) have no state
@@ -31,6 +40,40 @@ def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+class DCPState:
+    """Checkpoint state of the engines that own a torch model and optimizer (DDP, FSDP2),
+    through torch.distributed.checkpoint: sharded, and loadable on any world size."""
+
+    state_format = "dcp"
+    _async_group = None
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save_state(self, folder, asynchronous: bool = False):
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        state, target = self._state(), str(folder / "dcp")
+        if not asynchronous:
+            dcp.save(state, checkpoint_id=target)
+            return None
+        if DCPState._async_group is None:  # the background writer must not share the training group
+            DCPState._async_group = dist.new_group(backend="gloo")
+        return dcp.async_save(state, checkpoint_id=target, process_group=DCPState._async_group)
+
+    def load_state(self, folder, same_world: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 class TorchOptimizerStep:
@@ -84,7 +127,7 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def build_engine(cfg: dict, model: nn.Module, device: torch.device) -> Engine:
+def build_engine(cfg: dict, model: nn.Module, device: torch.device, resume=None) -> Engine:
     kind = cfg["engine"]["kind"]
     if cfg["engine"].get("activation_checkpointing"):
         apply_activation_checkpointing(model, layer_units(model, cfg["engine"].get("wrap")))
@@ -99,5 +142,5 @@ def build_engine(cfg: dict, model: nn.Module, device: torch.device) -> Engine:
     if kind == "deepspeed":
         from .deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(cfg, model, device)
+        return DeepSpeedEngine(cfg, model, device, resume)
     raise ValueError(f"engine.kind '{kind}' is not known to this trainer")

@@ -7,10 +7,10 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Engine, TorchOptimizerStep, autocast, make_optimizer
+from .base import DCPState, Engine, TorchOptimizerStep, autocast, make_optimizer
 
 
-class DDPEngine(TorchOptimizerStep, Engine):
+class DDPEngine(DCPState, TorchOptimizerStep, Engine):
     def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.precision = cfg["engine"]["precision"]

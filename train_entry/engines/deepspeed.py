@@ -7,9 +7,13 @@ and applies the optimizer only at the accumulation boundary.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -37,15 +41,28 @@ def make_ds_optimizer(params, cfg: dict, on_gpu_with_offload: bool):
     return make_optimizer(params, cfg)
 
 
+UNIVERSAL_TIMEOUT_S = 3600
+TAG = "state"
+
+
 class DeepSpeedEngine(Engine):
-    def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
+    state_format = "deepspeed"
+
+    def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device, resume=None):
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _skip_unneeded_op_builds(device)
         import deepspeed
 
         self.device = device
-        ds_config = cfg["deepspeed_config"]
+        ds_config = dict(cfg["deepspeed_config"])
+        self.task_dir = Path(cfg["task_dir"])
+        self.stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # another world size: DeepSpeed loads only its universal format, chosen at initialize
+        self.universal = bool(resume and resume.folder and resume.world_size not in (None, world))
+        if self.universal:
+            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         zero = ds_config.get("zero_optimization", {})
         offload = "offload_optimizer" in zero or "offload_param" in zero
         model = model.to(device)
@@ -64,3 +81,40 @@ class DeepSpeedEngine(Engine):
     def optimizer_step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
         self.model.step()  # the boundary: clip, step, zero the gradients
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_state(self, folder, asynchronous: bool = False):
+        # save_latest=False: DeepSpeed's `latest` pointer is written by rank 0 alone and not
+        # atomically; our manifest is what marks a checkpoint complete.
+        self.model.save_checkpoint(str(Path(folder) / "deepspeed"), tag=TAG, save_latest=False)
+        return None
+
+    def load_state(self, folder, same_world: bool) -> None:
+        src = Path(folder) / "deepspeed"
+        if self.universal:
+            src = self._universal(Path(folder))
+            self.model.load_checkpoint(str(src), tag=TAG, load_lr_scheduler_states=False)
+            return
+        self.model.load_checkpoint(str(src), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+
+    def _universal(self, folder: Path) -> Path:
+        """DeepSpeed's universal checkpoint of ``folder`` (converted once, by rank 0, into
+        this task's checkpoints folder; a half-made conversion is never used)."""
+        from torch import distributed as dist
+
+        out = self.task_dir / "checkpoints" / f".universal-{folder.name}-{hashlib.sha1(str(folder).encode()).hexdigest()[:8]}"
+        if dist.get_rank() == 0 and not (out / TAG).is_dir():
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            argv = [
+                sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder", str(folder / "deepspeed" / TAG), "--output_folder", str(tmp / TAG),
+            ]
+            if self.stage < 3:
+                argv.append("--inject_missing_state")
+            subprocess.run(argv, check=True, timeout=UNIVERSAL_TIMEOUT_S, stdout=sys.stdout, stderr=sys.stderr)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        dist.barrier()
+        return out

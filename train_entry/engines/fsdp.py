@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import distributed as dist
 
-from .base import Engine, TorchOptimizerStep, layer_units, make_optimizer
+from .base import DCPState, Engine, TorchOptimizerStep, layer_units, make_optimizer
 
 
 def device_mesh(device: torch.device, sharding: str, per_node: int):
@@ -22,7 +22,7 @@ def device_mesh(device: torch.device, sharding: str, per_node: int):
     return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
 
 
-class FSDPEngine(TorchOptimizerStep, Engine):
+class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
     def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -1,0 +1,90 @@
+"""Checkpoints and resume on one machine: a run stopped by the checkpoint signal and
+resumed continues bit for bit like the run that was never stopped, for every engine."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import cli, status_json, write
+from orchestrator import protocol
+from orchestrator.ledger import Ledger
+
+pytestmark = pytest.mark.multiproc
+
+SPEC = """\
+name: resume
+steps: 24
+model: {{n_layer: 2, d_model: 64, n_head: 4, seq_len: 32, dropout: 0.1}}
+resources: {{tasks_per_node: 2}}
+optimizer: {{lr: 3.0e-3}}
+batch: {{micro_batch_size: 4, grad_accum: 2}}
+logging: {{every_steps: 1}}
+heartbeat: {{interval_s: 0.5}}
+checkpoint: {{every_steps: 5, keep_last: 2}}
+engine: {engine}
+sweep: {{grid: {{env.RUN: [plain, interrupted]}}}}
+"""
+
+ENGINES = {
+    "ddp": "{kind: ddp}",
+    "fsdp-full": "{kind: fsdp}",
+    "fsdp-shard-grad-op": "{kind: fsdp, sharding: shard_grad_op}",
+    "zero1": "{kind: deepspeed, stage: 1}",
+    "zero2": "{kind: deepspeed, stage: 2}",
+    "zero3": "{kind: deepspeed, stage: 3}",
+    "zero3-offload": "{kind: deepspeed, stage: 3, offload_optimizer: cpu, offload_param: cpu}",
+}
+
+
+def metrics_step(task_dir) -> int:
+    rows, _ = protocol.read_jsonl_from(protocol.metrics_path(task_dir), 0)
+    return max((r["step"] for r in rows), default=0)
+
+
+def wait_until(pred, timeout=240, what=""):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (v := pred()):
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_and_interrupt(home, spec, at_step=12):
+    out = cli("submit", str(spec), "--executor", "local", home=home)
+    assert out.returncode == 0, out.stderr
+    exp_id = out.stdout.strip()
+    exp = status_json(home, exp_id)["experiments"][0]
+    run_dir = exp["run_dir"]
+    tdir = protocol.task_dir(run_dir, 1)
+    wait_until(lambda: metrics_step(tdir) >= at_step, what="step {at_step}")
+    agent = protocol.read_json(os.path.join(run_dir, "local", "task-1.json"))["pid"]
+    os.kill(agent, signal.SIGUSR2)  # what SLURM sends before a preemption or the time limit
+    final = wait_until(
+        lambda: (e := status_json(home, exp_id)["experiments"][0])["state"] in ("COMPLETED", "FAILED") and e,
+        what="the end",
+    )
+    return final
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(home, tmp_path, engine):
+    spec = write(tmp_path / "resume.yaml", SPEC.format(engine=ENGINES[engine]))
+    exp = run_and_interrupt(home, spec)
+    assert exp["state"] == "COMPLETED", exp
+    ledger = Ledger.open(home / "ledger.db")
+    plain = {m["step"]: m["loss"] for m in ledger.metrics(exp["id"], 0)}
+    resumed = {m["step"]: m["loss"] for m in ledger.metrics(exp["id"], 1)}
+    assert sorted(plain) == sorted(resumed) == list(range(1, 25))
+    assert resumed == plain, [(s, plain[s], resumed[s]) for s in plain if plain[s] != resumed[s]]
+    attempts = ledger.attempts(exp["id"], 1)
+    assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
+    assert "saved on the checkpoint signal" in attempts[0]["reason"]
+    events = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 1]
+    assert "checkpoint.resumed" in events and "checkpoint.committed" in events
+    # retention: the newest two committed checkpoints remain, nothing half-made
+    folders = sorted(p.name for p in (protocol.checkpoints_dir(protocol.task_dir(exp["run_dir"], 1))).iterdir())
+    assert folders == ["step-000000015", "step-000000020"] or len([f for f in folders if f.startswith("step-")]) == 2, folders
+    assert not [f for f in folders if f.startswith((".tmp", ".trash"))], folders

@@ -1,0 +1,195 @@
+"""Sharded checkpoints that count only once committed, and resume from the newest good one.
+
+Saving is collective: every rank writes its shards into ``.tmp-step-N`` (DCP for
+DDP and FSDP2, DeepSpeed's own format for ZeRO), plus its RNG states; the ranks
+then hash the files between them, and rank 0 writes the manifest last and renames
+the folder to ``step-N`` (``orchestrator.protocol``). A save killed halfway leaves
+a ``.tmp-`` folder that discovery never looks at.
+
+What a checkpoint holds: model and optimizer (the engine's shards), the step (the
+data order and the LR are pure functions of it and the seed), and every rank's RNG
+states. So a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import distributed as dist
+
+from orchestrator import protocol
+
+RNG_DIR = "rng"
+
+
+@dataclass
+class Resume:
+    folder: Path | None
+    step: int = 0
+    world_size: int | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != protocol.MANIFEST)
+
+
+def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
+    """This rank's share of the files: size and sha256 (also flushing them to disk)."""
+    out = {}
+    for name in names[rank::world]:
+        path = folder / name
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+        out[name] = {"size": path.stat().st_size, "sha256": protocol.file_sha256(path)}
+    return out
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class Checkpointer:
+    def __init__(self, cfg: dict, task_dir: str | Path, rank: int, world: int, engine=None):
+        self.cfg = cfg["checkpoint"]
+        self.task_dir = Path(task_dir)
+        self.rank, self.world = rank, world
+        self.engine = engine
+        self.engine_kind = cfg["engine"]["kind"]
+        self.last_save_time = time.time()
+        self.pending = None  # an async save: (step, tmp, future, blocked_s, started)
+
+    # ------------------------------------------------------------ save
+
+    def due(self, step: int, total: int) -> bool:
+        every, minutes = self.cfg["every_steps"], self.cfg["every_minutes"]
+        if step >= total:
+            return False  # the run is over; its weights are what the last checkpoint is for
+        if every and step % every == 0:
+            return True
+        return bool(minutes) and time.time() - self.last_save_time >= minutes * 60
+
+    def save(self, step: int, meta: dict) -> dict:
+        """Collective. Returns what to record: step, seconds training was blocked, total seconds."""
+        self.finish_pending()
+        t0 = time.perf_counter()
+        tmp = protocol.checkpoint_tmp(self.task_dir, step)
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / RNG_DIR).mkdir(parents=True)
+        dist.barrier()
+        torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{self.rank}.pt")
+        future = self.engine.save_state(tmp, asynchronous=self.cfg.get("async_save", False))
+        blocked = time.perf_counter() - t0
+        self.last_save_time = time.time()
+        if future is not None:
+            self.pending = (step, tmp, future, blocked, t0, meta)
+            return {"step": step, "blocked_s": blocked, "async": True}
+        return self._commit(step, tmp, blocked, t0, meta)
+
+    def poll_pending(self) -> dict | None:
+        """At a step boundary: commit an async save once every rank's write is done."""
+        if self.pending is None:
+            return None
+        done = torch.tensor([1 if self.pending[2].done() else 0], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not done.item():
+            return None
+        return self.finish_pending()
+
+    def finish_pending(self) -> dict | None:
+        if self.pending is None:
+            return None
+        step, tmp, future, blocked, t0, meta = self.pending
+        self.pending = None
+        future.result()
+        return self._commit(step, tmp, blocked, t0, meta)
+
+    def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict) -> dict:
+        dist.barrier()  # every rank's shards are written
+        names = _files(tmp) if self.rank == 0 else None
+        box = [names]
+        dist.broadcast_object_list(box, src=0)
+        shares = _gather(_hash_share(tmp, box[0], self.rank, self.world))
+        final = None
+        if self.rank == 0:
+            files = {k: v for share in shares for k, v in share.items()}
+            manifest = {
+                "step": step,
+                "engine": self.engine_kind,
+                "state_format": self.engine.state_format,
+                "world_size": self.world,
+                "files": files,
+                "time": time.time(),
+                **meta,
+            }
+            final = protocol.commit_checkpoint(tmp, manifest)
+            self._retain()
+        dist.barrier()  # nobody moves on (or exits) before the commit
+        return {"step": step, "blocked_s": blocked, "total_s": time.perf_counter() - t0, "folder": str(final or "")}
+
+    def _retain(self) -> None:
+        keep = self.cfg["keep_last"]
+        for _, folder in protocol.committed_checkpoints(self.task_dir)[keep:]:
+            protocol.discard_checkpoint(folder)
+
+    # ------------------------------------------------------------ resume
+
+    def find_resume(self) -> Resume:
+        """The newest committed checkpoint that verifies (collective: the ranks share the hashing)."""
+        candidates = [folder for _, folder in protocol.committed_checkpoints(self.task_dir)]
+        if not candidates and self.cfg.get("resume_from"):
+            candidates = [Path(self.cfg["resume_from"])]
+        skipped = []
+        for folder in candidates:
+            problem = self._verify(folder)
+            if problem is None:
+                m = protocol.read_json(folder / protocol.MANIFEST)
+                return Resume(folder, int(m["step"]), int(m["world_size"]), skipped)
+            skipped.append((str(folder), problem))
+        return Resume(None, 0, None, skipped)
+
+    def _verify(self, folder: Path) -> str | None:
+        problem = protocol.verify_checkpoint(folder, deep=False) if self.rank == 0 else None
+        if problem is None and self.cfg.get("verify", "sha256") == "sha256":
+            manifest = protocol.read_json(folder / protocol.MANIFEST) or {"files": {}}
+            names = sorted(manifest["files"])
+            bad = [
+                f"{n} does not match its sha256"
+                for n in names[self.rank :: self.world]
+                if not (folder / n).is_file() or protocol.file_sha256(folder / n) != manifest["files"][n]["sha256"]
+            ]
+            problem = problem or (bad[0] if bad else None)
+        problems = [p for p in _gather(problem) if p]
+        return problems[0] if problems else None
+
+    def load(self, resume: Resume) -> None:
+        folder = resume.folder
+        self.engine.load_state(folder, same_world=resume.world_size == self.world)
+        rng = folder / RNG_DIR / f"rank-{self.rank}.pt"
+        if rng.is_file():  # a rank that did not exist in the saved run keeps its seeded state
+            _set_rng_state(torch.load(rng, weights_only=False))
+        dist.barrier()
