@@ -137,6 +137,9 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
         job_id = item.attempt["job_id"]
         launches = [l for l in ingest.read_launches(item.task["task_dir"]) if l.job_id == job_id]
         attempt = item.attempt
+        if launches and not attempt["launch"] and len(launches) > 1:  # first seen after it ran again
+            _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launches[0], None))
+            attempt = ledger.attempts(exp_id, idx)[attempt["number"] - 1]
         # a requeued job runs again under the same id: each launch after the first is an attempt of its own
         for launch in _newer_launches(launches, attempt):
             own = next((l for l in launches if l.key == attempt["launch"]), None)
@@ -147,6 +150,8 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
                 ledger.update_attempt(exp_id, idx, attempt["number"], cause, state=AttemptState.REQUEUED.value, reason=cause)
             cause = f"{job_id} started again (restart {launch.restart_count})"
             number = ledger.add_attempt(exp_id, idx, job_id, cause)
+            attempt = ledger.attempts(exp_id, idx)[number - 1]
+            _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launch, None))
             attempt = ledger.attempts(exp_id, idx)[number - 1]
         obs = observations.get(job_id)
         if launches and attempt["launch"] == launches[-1].key and obs is not None and obs.state == AttemptState.PENDING:

@@ -173,39 +173,55 @@ def node_main(task_dir: str) -> int:
         },
     )
     if code == ExitCode.REQUEUE and ctx.on_slurm:
-        code = requeue(ctx, cfg, ldir)
+        code = requeue(ctx, cfg, ldir, flags)
     return int(code)
 
 
 REQUEUE_WAIT_S = 60.0
+PREEMPT_WAIT_S = 900.0
 
 
-def requeue(ctx: NodeContext, cfg: dict, ldir: Path, run=subprocess.run) -> int:
-    """The ranks saved on the checkpoint signal. Node 0 puts the job back in the queue:
-    SLURM does it by itself after a preemption (its record then says PREEMPTED), so
-    only a time-limit signal needs ``scontrol requeue`` (its record says REQUEUED).
-    The other nodes wait for that decision, so srun does not stop node 0 halfway."""
+def requeue(ctx: NodeContext, cfg: dict, ldir: Path, flags: _Flags, run=subprocess.run) -> int:
+    """The ranks saved on the checkpoint signal; put the job back in the queue.
+
+    After a preemption, SLURM requeues the job itself, but only if the job is still
+    running when the grace time ends: a job that exits on its own is just FAILED. So
+    every agent stays until SLURM's SIGTERM, and SLURM's record says PREEMPTED. After
+    a time-limit signal, node 0 runs ``scontrol requeue`` (the record says REQUEUED).
+    The other nodes wait for node 0's decision, so that srun does not stop it halfway.
+    """
     record = ldir / "requeue.json"
-    if ctx.node_rank != 0:
+    if ctx.node_rank == 0:
+        decision = _requeue_decision(ctx, cfg, run)
+        protocol.atomic_write_json(record, {**decision, "time": time.time()})
+        if decision["by"] == "agent":
+            try:  # ends this job at once (the ranks are done) and queues it again
+                run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
+            except (OSError, subprocess.SubprocessError) as exc:
+                print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}", file=sys.stderr)
+    else:
         deadline = time.time() + REQUEUE_WAIT_S
         while not record.exists() and time.time() < deadline:
             time.sleep(0.5)
-        return ExitCode.REQUEUE
+        decision = protocol.read_json(record) or {}
+    if decision.get("by") in ("slurm", "agent"):
+        deadline = time.time() + PREEMPT_WAIT_S  # until SLURM's SIGTERM (grace time over, or the requeue)
+        while time.time() < deadline and not any(sig in (signal.SIGTERM, signal.SIGINT) for sig in flags.signals):
+            time.sleep(0.2)
+    return ExitCode.REQUEUE
+
+
+def _requeue_decision(ctx: NodeContext, cfg: dict, run) -> dict:
     limit = cfg.get("retry", {}).get("max_requeues", 100)
     if ctx.restart_count >= limit:
-        protocol.atomic_write_json(record, {"by": None, "reason": f"requeue limit reached ({limit})", "time": time.time()})
-        return ExitCode.REQUEUE
-    # SLURM sets PreemptTime once a preemption began
-    preempted = scontrol_field("job", ctx.job_id, "PreemptTime", run=run) not in (None, "None", "Unknown")
-    if preempted:
-        protocol.atomic_write_json(record, {"by": "slurm", "reason": "preempted", "time": time.time()})
-        return ExitCode.REQUEUE
-    protocol.atomic_write_json(record, {"by": "agent", "reason": "time limit signal", "time": time.time()})
-    try:  # ends this job at once (the ranks are done) and queues it again
-        run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}", file=sys.stderr)
-    return ExitCode.REQUEUE
+        return {"by": None, "reason": f"requeue limit reached ({limit})"}
+    # SLURM sets PreemptTime once a preemption began; whether it then requeues is the partition's PreemptMode
+    if scontrol_field("job", ctx.job_id, "PreemptTime", run=run) not in (None, "None", "Unknown"):
+        mode = scontrol_field("partition", os.environ.get("SLURM_JOB_PARTITION", ""), "PreemptMode", run=run) or ""
+        if "REQUEUE" in mode.upper():
+            return {"by": "slurm", "reason": "preempted"}
+        return {"by": "agent", "reason": f"preempted (PreemptMode {mode or 'unknown'}: SLURM would not requeue)"}
+    return {"by": "agent", "reason": "time limit signal"}
 
 
 def _signal_all(procs: dict, codes: dict, sig: int) -> None:

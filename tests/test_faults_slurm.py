@@ -1,0 +1,128 @@
+"""Preemption and time limits on the real local cluster: the run saves on SLURM's signal,
+is requeued, resumes from that checkpoint, and ends as if nothing had happened."""
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+
+from conftest import cli, slurm_run, status_json, write
+from orchestrator import protocol
+from orchestrator.ledger import Ledger
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
+
+SMALL = """\
+name: {name}
+steps: {steps}
+model: {{n_layer: 1, d_model: 32, n_head: 2, seq_len: 16}}
+batch: {{micro_batch_size: 4}}
+optimizer: {{lr: 3.0e-3}}
+logging: {{every_steps: 1}}
+heartbeat: {{interval_s: 1}}
+checkpoint: {{every_steps: 1000, signal_before_s: {signal_before}}}
+resources: {resources}
+"""
+
+
+class ReleaseRequeued(threading.Thread):
+    """SLURM holds a requeued job for ~120 s (BeginTime); the test lets it start at once,
+    once the old run's steps are gone."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+        self.released = 0
+
+    def run(self):
+        while not self.stop.is_set():
+            out = subprocess.run(["squeue", "-h", "--me", "-o", "%i|%r"], capture_output=True, text=True, timeout=30).stdout
+            for line in out.splitlines():
+                job, _, reason = line.partition("|")
+                if reason == "BeginTime":
+                    time.sleep(3)
+                    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True, timeout=30)
+                    self.released += 1
+            self.stop.wait(1)
+
+
+@pytest.fixture
+def release():
+    t = ReleaseRequeued()
+    t.start()
+    yield t
+    t.stop.set()
+
+
+def metrics(task_dir):
+    rows, _ = protocol.read_jsonl_from(protocol.metrics_path(task_dir), 0)
+    return rows
+
+
+def wait_state(home, exp_id, states, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        exp = status_json(home, exp_id)["experiments"][0]
+        if exp["state"] in states:
+            return exp
+        time.sleep(1)
+    raise AssertionError(f"{exp_id} not in {states} after {timeout} s: {exp}")
+
+
+def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, release):
+    four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, time: '00:10:00'}"
+    spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=160, signal_before=120, resources=four_nodes))
+    out = cli("submit", str(spec), "--executor", "slurm", home=home)
+    assert out.returncode == 0, out.stderr
+    exp_id = out.stdout.strip()
+    run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
+    tdir = protocol.task_dir(run_dir, 0)
+    deadline = time.time() + 120
+    while max((m["step"] for m in metrics(tdir)), default=0) < 40:
+        assert time.time() < deadline, "the low-priority run did not get going"
+        time.sleep(0.3)
+    slurm_run("sbatch", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "sleep 2")  # takes every node
+    exp = wait_state(home, exp_id, {"COMPLETED", "FAILED"}, 400)
+    assert exp["state"] == "COMPLETED", exp
+
+    # the same spec, never interrupted (4 ranks of 2 threads on one node: the same world, data order and kernels)
+    ref = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 4, cpus_per_task: 2}", "--wait", "--json", home=home, timeout=400)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    ref_loss = json.loads(ref.stdout)["experiments"][0]["tasks"][0]["loss"]
+    assert exp["tasks"][0]["loss"] == ref_loss, (exp["tasks"][0]["loss"], ref_loss)
+
+    job = exp["tasks"][0]["job_id"]
+    runs = slurm_run("sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
+    assert runs[-2:] == ["PREEMPTED", "COMPLETED"], runs  # SLURM's own record tells it was a preemption
+    ledger = Ledger.open(home / "ledger.db")
+    attempts = ledger.attempts(exp_id, 0)
+    assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
+    assert "(preempted); requeued by SLURM" in attempts[0]["reason"]
+    assert [a["launch"] for a in attempts] == [f"{job}.0", f"{job}.1"]
+    # no step after the signal was lost: the resumed launch starts where the first one stopped
+    rows = metrics(tdir)
+    first = max(m["step"] for m in rows if m["launch"] == f"{job}.0")
+    second = min(m["step"] for m in rows if m["launch"] == f"{job}.1")
+    assert second == first + 1, (first, second)
+    resumed = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.resumed"]
+    assert resumed and resumed[0].startswith(f"resumed from step {first} "), resumed
+
+
+def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, home, tmp_path, release):
+    one_node = "{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: '00:02:00'}"
+    spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=4000, signal_before=60, resources=one_node))
+    out = cli("submit", str(spec), "--executor", "slurm", home=home)
+    assert out.returncode == 0, out.stderr
+    exp_id = out.stdout.strip()
+    exp = wait_state(home, exp_id, {"COMPLETED", "FAILED"}, 540)
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 4000, exp
+    ledger = Ledger.open(home / "ledger.db")
+    attempts = ledger.attempts(exp_id, 0)
+    assert len(attempts) >= 2 and attempts[-1]["state"] == "COMPLETED", attempts
+    for a in attempts[:-1]:
+        assert a["state"] == "REQUEUED" and "(time limit signal); requeued by the node agent" in a["reason"], a
+    job = exp["tasks"][0]["job_id"]
+    runs = slurm_run("sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
+    assert runs[-len(attempts):] == ["REQUEUED"] * (len(attempts) - 1) + ["COMPLETED"], runs
