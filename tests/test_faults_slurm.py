@@ -112,12 +112,12 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
 
 def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, home, tmp_path, release):
     one_node = "{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: '00:02:00'}"
-    spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=4000, signal_before=60, resources=one_node))
+    spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=16000, signal_before=60, resources=one_node))
     out = cli("submit", str(spec), "--executor", "slurm", home=home)
     assert out.returncode == 0, out.stderr
     exp_id = out.stdout.strip()
-    exp = wait_state(home, exp_id, {"COMPLETED", "FAILED"}, 540)
-    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 4000, exp
+    exp = wait_state(home, exp_id, {"COMPLETED", "FAILED"}, 580)
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 16000, exp
     ledger = Ledger.open(home / "ledger.db")
     attempts = ledger.attempts(exp_id, 0)
     assert len(attempts) >= 2 and attempts[-1]["state"] == "COMPLETED", attempts
