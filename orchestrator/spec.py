@@ -340,8 +340,8 @@ class Checkpoint(Strict):
     )
     resume_from: str | None = Field(
         None,
-        description="A committed checkpoint folder (`.../checkpoints/step-N`) to start from when the task has none of its "
-        "own; it may come from another world size.",
+        description="Where to start when the task has no checkpoint of its own: a committed checkpoint folder "
+        "(`.../checkpoints/step-N`), or a `checkpoints` folder (its newest that verifies). It may come from another world size.",
     )
 
 

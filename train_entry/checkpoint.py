@@ -162,7 +162,12 @@ class Checkpointer:
         """The newest committed checkpoint that verifies (collective: the ranks share the hashing)."""
         candidates = [folder for _, folder in protocol.committed_checkpoints(self.task_dir)]
         if not candidates and self.cfg.get("resume_from"):
-            candidates = [Path(self.cfg["resume_from"])]
+            start = Path(self.cfg["resume_from"])
+            if (start / protocol.MANIFEST).exists():
+                candidates = [start]
+            else:  # a checkpoints folder (or a task folder): its committed checkpoints, newest first
+                base = start.parent if start.name == "checkpoints" else start
+                candidates = [folder for _, folder in protocol.committed_checkpoints(base)] or [start]
         skipped = []
         for folder in candidates:
             problem = self._verify(folder)
