@@ -41,6 +41,14 @@ def open_ledger(home: Path) -> Ledger:
 
 def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
     spec, raw, lines = load_spec(spec_path, overrides)
+    if spec.model.kind == "script":  # the compute nodes need its absolute path
+        script = (Path(spec_path).resolve().parent / Path(spec.model.script).expanduser()).resolve()
+        if not script.is_file():
+            raise UserError(f"{spec_path}: model.script: no file '{script}'")
+        spec.model.script = str(script)
+        from .spec import set_path
+
+        set_path(raw, ("model", "script"), str(script))
     tasks = expand(spec, raw, lines, str(spec_path))
     executor = executor or default_executor()
     workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"

@@ -79,8 +79,23 @@ class EntrypointModel(Strict):
         return v
 
 
+class ScriptModel(Strict):
+    """Your own training script, run on every rank instead of orchestrate's loop."""
+
+    kind: Literal["script"] = Field(description="`script`: your own training loop.")
+    script: str = Field(
+        description="Path of the Python script (relative to the spec's folder). It uses `train_entry.client` for "
+        "heartbeats, the stop signal and checkpoints; the rendered DeepSpeed config is in its reach."
+    )
+    args: list[str] = Field(default_factory=list, description="Command-line arguments for the script.")
+
+
 ModelSpec = Annotated[
-    Union[Annotated[GPTModel, Tag("gpt")], Annotated[EntrypointModel, Tag("entrypoint")]],
+    Union[
+        Annotated[GPTModel, Tag("gpt")],
+        Annotated[EntrypointModel, Tag("entrypoint")],
+        Annotated[ScriptModel, Tag("script")],
+    ],
     _kind_of("gpt"),
 ]
 

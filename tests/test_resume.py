@@ -52,8 +52,8 @@ def wait_until(pred, timeout=240, what=""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def run_and_interrupt(home, spec, at_step=12):
-    out = cli("submit", str(spec), "--executor", "local", home=home)
+def run_and_interrupt(home, spec, at_step=12, *overrides):
+    out = cli("submit", str(spec), "--executor", "local", *overrides, home=home)
     assert out.returncode == 0, out.stderr
     exp_id = out.stdout.strip()
     exp = status_json(home, exp_id)["experiments"][0]
@@ -88,3 +88,17 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(home,
     folders = sorted(p.name for p in (protocol.checkpoints_dir(protocol.task_dir(exp["run_dir"], 1))).iterdir())
     assert folders == ["step-000000015", "step-000000020"] or len([f for f in folders if f.startswith("step-")]) == 2, folders
     assert not [f for f in folders if f.startswith((".tmp", ".trash"))], folders
+
+
+def test_your_own_training_script_resumes_bitwise_through_the_client_api(home):
+    sweep = ["--set", "sweep={grid: {env.RUN: [plain, interrupted]}}"]
+    exp = run_and_interrupt(home, "configs/byo.yaml", 25, *sweep)
+    assert exp["state"] == "COMPLETED", exp
+    ledger = Ledger.open(home / "ledger.db")
+    plain = {m["step"]: m["loss"] for m in ledger.metrics(exp["id"], 0)}
+    resumed = {m["step"]: m["loss"] for m in ledger.metrics(exp["id"], 1)}
+    assert sorted(resumed) == list(range(1, 61)) and resumed == plain
+    assert plain[60] < plain[1] - 1.0  # it learned
+    assert [a["state"] for a in ledger.attempts(exp["id"], 1)] == ["REQUEUED", "COMPLETED"]
+    kinds = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 1]
+    assert "checkpoint.resumed" in kinds and "checkpoint.committed" in kinds

@@ -50,6 +50,7 @@ def worker_env(base: dict, cfg: dict, ctx: NodeContext, local_rank: int, addr: s
         MASTER_PORT=str(port),
         ORCHESTRATE_LAUNCH=launch,
         ORCHESTRATE_NODE=ctx.node_name,
+        ORCHESTRATE_TASK_DIR=str(cfg["task_dir"]),
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("OMP_NUM_THREADS", str(cfg["resources"]["cpus_per_task"]))
@@ -113,8 +114,12 @@ def node_main(task_dir: str) -> int:
         fh.write(f"=== launch {launch} rank {rank} on {ctx.node_name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         fh.flush()
         logs.append(fh)
+        if cfg["model"]["kind"] == "script":  # the user's own loop, with train_entry.client
+            argv = [sys.executable, cfg["model"]["script"], *cfg["model"].get("args", [])]
+        else:
+            argv = [sys.executable, "-m", "train_entry.worker", str(tdir)]
         procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "train_entry.worker", str(tdir)],
+            argv,
             env=worker_env(dict(os.environ), cfg, ctx, local_rank, addr, port, launch),
             stdout=fh,
             stderr=subprocess.STDOUT,

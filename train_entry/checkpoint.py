@@ -91,10 +91,8 @@ class Checkpointer:
             return True
         return bool(minutes) and time.time() - self.last_save_time >= minutes * 60
 
-    def save(self, step: int, meta: dict) -> dict:
-        """Collective. Returns what to record: step, seconds training was blocked, total seconds."""
-        self.finish_pending()
-        t0 = time.perf_counter()
+    def begin(self, step: int) -> Path:
+        """Collective: an empty folder for the shards of step ``step`` (not yet a checkpoint)."""
         tmp = protocol.checkpoint_tmp(self.task_dir, step)
         if self.rank == 0:
             if tmp.exists():
@@ -102,6 +100,13 @@ class Checkpointer:
             (tmp / RNG_DIR).mkdir(parents=True)
         dist.barrier()
         torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{self.rank}.pt")
+        return tmp
+
+    def save(self, step: int, meta: dict) -> dict:
+        """Collective. Returns what to record: step, seconds training was blocked, total seconds."""
+        self.finish_pending()
+        t0 = time.perf_counter()
+        tmp = self.begin(step)
         future = self.engine.save_state(tmp, asynchronous=self.cfg.get("async_save", False))
         blocked = time.perf_counter() - t0
         self.last_save_time = time.time()
@@ -128,6 +133,11 @@ class Checkpointer:
         future.result()
         return self._commit(step, tmp, blocked, t0, meta)
 
+    def commit(self, step: int, meta: dict | None = None) -> dict:
+        """Collective: make the folder of ``begin(step)`` a committed checkpoint."""
+        t0 = time.perf_counter()
+        return self._commit(step, protocol.checkpoint_tmp(self.task_dir, step), 0.0, t0, meta or {})
+
     def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict) -> dict:
         dist.barrier()  # every rank's shards are written
         names = _files(tmp) if self.rank == 0 else None
@@ -140,7 +150,7 @@ class Checkpointer:
             manifest = {
                 "step": step,
                 "engine": self.engine_kind,
-                "state_format": self.engine.state_format,
+                "state_format": getattr(self.engine, "state_format", "custom"),
                 "world_size": self.world,
                 "files": files,
                 "time": time.time(),

@@ -1,0 +1,129 @@
+"""For your own training script: what orchestrate's trainer does, as a small API.
+
+A spec with ``model: {kind: script, script: train.py}`` runs your script on every
+rank, with the torchrun variables set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). Inside it::
+
+    from train_entry import client
+
+    run = client.init()                 # after torch.distributed.init_process_group
+    resume = run.resume()               # the newest committed checkpoint that verifies, or None
+    if resume:
+        step = resume.step              # and load your state from resume.folder
+    while step < run.config["steps"]:
+        ...                             # one optimizer step
+        step += 1
+        run.report(step, loss=loss)     # heartbeat, and the metric (rank 0)
+        stop = run.should_stop()        # the preemption / time-limit signal, agreed by all ranks
+        if stop or step % 100 == 0:
+            folder = run.begin_checkpoint(step)   # save your shards into it (DCP, DeepSpeed, ...)
+            ...
+            run.commit_checkpoint(step)  # counts only now: manifest written last
+        if stop:
+            run.exit_for_requeue()      # exits with the requeue code; the run resumes later
+
+Everything is collective where it says so: call it on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from orchestrator import protocol
+from orchestrator.protocol import ExitCode
+
+from .checkpoint import Checkpointer, Resume
+from .env import rank_context
+from .heartbeat import Heartbeat
+
+
+class Run:
+    def __init__(self, task_dir: str | Path):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("call torch.distributed.init_process_group (or deepspeed.init_distributed) first")
+        self.task_dir = Path(task_dir)
+        self.config = protocol.read_json(protocol.task_config_path(self.task_dir))
+        self.ctx = rank_context(os.environ)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._hb = Heartbeat(self.task_dir, self.ctx, self.config["heartbeat"]["interval_s"])
+        self._ckpt = Checkpointer(self.config, self.task_dir, self.rank, self.world_size)
+        self._signalled = False
+        signal.signal(getattr(signal, "SIG" + self.config["checkpoint"]["signal"]), self._on_signal)
+        self._hb.beat(0, "init", force=True)
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self._signalled = True  # only a flag: the loop acts at the next step boundary
+
+    @property
+    def deepspeed_config(self) -> dict | None:
+        """The DeepSpeed config orchestrate rendered from the spec (engine kind deepspeed)."""
+        return self.config.get("deepspeed_config")
+
+    def report(self, step: int, loss: float | None = None, lr: float | None = None, throughput: float | None = None) -> None:
+        """A heartbeat from this rank; with ``loss``, a metric row (rank 0 writes it)."""
+        self._hb.beat(step, "train", force=loss is not None)
+        if loss is not None:
+            self._hb.metric(step, float(loss), lr, throughput)
+
+    def should_stop(self) -> bool:
+        """Collective: True on every rank once any rank got the checkpoint signal."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self._signalled)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def resume(self) -> Resume | None:
+        """Collective: the newest committed checkpoint that verifies (damaged ones are skipped
+        and recorded), or None. Load your state from ``.folder``; ``.step`` is its step."""
+        found = self._ckpt.find_resume()
+        for folder, why in found.skipped:
+            self._event("checkpoint.skipped", f"{folder}: {why}; trying an older one")
+        if found.folder is None:
+            return None
+        self._event("checkpoint.resumed", f"resumed from step {found.step} ({found.folder}, world size {found.world_size})")
+        return found
+
+    def begin_checkpoint(self, step: int) -> Path:
+        """Collective: an empty folder to save step ``step`` into; not a checkpoint until committed."""
+        self._hb.beat(step, "saving", force=True)
+        return self._ckpt.begin(step)
+
+    def commit_checkpoint(self, step: int) -> Path:
+        """Collective: hash the files, write the manifest last, rename into place, prune."""
+        info = self._ckpt.commit(step, {"launch": self.ctx.launch})
+        self._event("checkpoint.committed", f"step {step} saved by the script in {info['total_s']:.2f} s", **info)
+        return Path(info["folder"]) if info["folder"] else protocol.checkpoints_dir(self.task_dir) / protocol.checkpoint_name(step)
+
+    def finish(self, step: int) -> None:
+        self._hb.beat(step, "done", force=True)
+
+    def exit_for_requeue(self, step: int | None = None) -> None:
+        """Leave with the requeue code: the agent (or SLURM) puts the task back in the queue."""
+        self._hb.beat(step if step is not None else self._hb.step, "requeue", force=True)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        sys.exit(ExitCode.REQUEUE)
+
+    def _event(self, kind: str, cause: str, **extra) -> None:
+        if self.rank == 0:
+            protocol.append_jsonl(
+                protocol.events_path(self.task_dir),
+                {"event": kind, "cause": cause, "launch": self.ctx.launch, "time": time.time(), **extra},
+            )
+
+
+def init() -> Run:
+    """The run this process belongs to (the agent sets ORCHESTRATE_TASK_DIR)."""
+    task_dir = os.environ.get("ORCHESTRATE_TASK_DIR")
+    if not task_dir:
+        raise RuntimeError("ORCHESTRATE_TASK_DIR is not set: run this script through an orchestrate spec (model.kind: script)")
+    return Run(task_dir)
