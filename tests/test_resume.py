@@ -22,7 +22,7 @@ optimizer: {{lr: 3.0e-3}}
 batch: {{micro_batch_size: 4, grad_accum: 2}}
 logging: {{every_steps: 1}}
 heartbeat: {{interval_s: 0.5}}
-checkpoint: {{every_steps: 5, keep_last: 2}}
+checkpoint: {{every_steps: 5, keep_last: 2{ck}}}
 engine: {engine}
 sweep: {{grid: {{env.RUN: [plain, interrupted]}}}}
 """
@@ -35,6 +35,7 @@ ENGINES = {
     "zero2": "{kind: deepspeed, stage: 2}",
     "zero3": "{kind: deepspeed, stage: 3}",
     "zero3-offload": "{kind: deepspeed, stage: 3, offload_optimizer: cpu, offload_param: cpu}",
+    "fsdp-async-save": "{kind: fsdp}",
 }
 
 
@@ -71,7 +72,8 @@ def run_and_interrupt(home, spec, at_step=12, *overrides):
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(home, tmp_path, engine):
-    spec = write(tmp_path / "resume.yaml", SPEC.format(engine=ENGINES[engine]))
+    ck = ", async_save: true" if engine.endswith("async-save") else ""
+    spec = write(tmp_path / "resume.yaml", SPEC.format(engine=ENGINES[engine], ck=ck))
     exp = run_and_interrupt(home, spec)
     assert exp["state"] == "COMPLETED", exp
     ledger = Ledger.open(home / "ledger.db")
