@@ -259,6 +259,19 @@ def commit_checkpoint(tmp: str | os.PathLike, manifest: dict) -> Path:
     return final
 
 
+def remove_leftovers(tdir: str | os.PathLike) -> list[str]:
+    """Delete ``.tmp-`` and ``.trash-`` folders of saves that never committed (call only
+    when no save is running); returns their names."""
+    base = checkpoints_dir(tdir)
+    gone = []
+    if base.is_dir():
+        for d in base.iterdir():
+            if d.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d.name)
+    return sorted(gone)
+
+
 def discard_checkpoint(folder: str | os.PathLike) -> None:
     """Rename first, then delete: a half-deleted checkpoint never looks committed."""
     folder = Path(folder)

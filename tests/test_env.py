@@ -43,11 +43,12 @@ def test_rendezvous_falls_back_to_slurm_node_addr():
 
 
 def test_worker_env_ranks():
-    cfg = {"resources": {"tasks_per_node": 2, "cpus_per_task": 3}, "env": {"MY_VAR": "1"}}
+    cfg = {"resources": {"tasks_per_node": 2, "cpus_per_task": 3}, "env": {"MY_VAR": "1"}, "task_dir": "/runs/x/tasks/0"}
     ctx = env.node_context(SLURM)
     e = worker_env({"PATH": "/bin", "SUBMITIT_X": "y"}, cfg, ctx, 1, "10.0.0.1", 29500, "4240_2.1")
     assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
     assert e["MASTER_ADDR"] == "10.0.0.1" and e["MASTER_PORT"] == "29500" and e["MY_VAR"] == "1"
+    assert e["ORCHESTRATE_TASK_DIR"] == "/runs/x/tasks/0"
     assert e["OMP_NUM_THREADS"] == "3" and "SUBMITIT_X" not in e
     rc = env.rank_context(e)
     assert rc.rank == 3 and rc.world_size == 4 and rc.launch == "4240_2.1"

@@ -102,12 +102,13 @@ class Checkpointer:
         torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{self.rank}.pt")
         return tmp
 
-    def save(self, step: int, meta: dict) -> dict:
-        """Collective. Returns what to record: step, seconds training was blocked, total seconds."""
+    def save(self, step: int, meta: dict, final: bool = False) -> dict:
+        """Collective. Returns what to record: step, seconds training was blocked, total seconds.
+        ``final``: the process exits next, so the save is synchronous whatever the policy."""
         self.finish_pending()
         t0 = time.perf_counter()
         tmp = self.begin(step)
-        future = self.engine.save_state(tmp, asynchronous=self.cfg.get("async_save", False))
+        future = self.engine.save_state(tmp, asynchronous=self.cfg.get("async_save", False) and not final)
         blocked = time.perf_counter() - t0
         self.last_save_time = time.time()
         if future is not None:
@@ -169,7 +170,11 @@ class Checkpointer:
     # ------------------------------------------------------------ resume
 
     def find_resume(self) -> Resume:
-        """The newest committed checkpoint that verifies (collective: the ranks share the hashing)."""
+        """The newest committed checkpoint that verifies (collective: the ranks share the hashing).
+        Leftovers of saves that never committed are removed first (nothing writes at this point)."""
+        if self.rank == 0:
+            self.leftovers = protocol.remove_leftovers(self.task_dir)
+        dist.barrier()
         candidates = [folder for _, folder in protocol.committed_checkpoints(self.task_dir)]
         if not candidates and self.cfg.get("resume_from"):
             start = Path(self.cfg["resume_from"])

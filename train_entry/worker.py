@@ -95,6 +95,8 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag)
 
     ckpt = Checkpointer(cfg, task_dir, ctx.rank, ctx.world_size)
     resume = ckpt.find_resume()
+    if getattr(ckpt, "leftovers", None):
+        event("checkpoint.cleaned", f"removed {', '.join(ckpt.leftovers)}: saves that never committed")
     for folder, why in resume.skipped:
         event("checkpoint.skipped", f"{folder}: {why}; trying an older one", folder=folder)
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
@@ -145,7 +147,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag)
         saved(ckpt.poll_pending(), "asynchronous")
         if stop[0] and step < total:
             hb.beat(step, "saving", force=True)
-            saved(ckpt.save(step, {"launch": ctx.launch}), "on the checkpoint signal")
+            saved(ckpt.save(step, {"launch": ctx.launch}, final=True), "on the checkpoint signal")
             hb.beat(step, "requeue", force=True)
             raise StopRequested(step)
         if stop[1]:
