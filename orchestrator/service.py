@@ -134,7 +134,11 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
     observations = {}
     for executor, items in by_executor.items():
         sched = schedulers.get(executor) or get_scheduler(executor)
-        refs = [JobRef(i.attempt["job_id"], Path(i.exp["run_dir"]), i.task["idx"]) for i in items if i.attempt["job_id"]]
+        refs = [
+            JobRef(i.attempt["job_id"], Path(i.exp["run_dir"]), i.task["idx"], i.attempt.get("submitted_at"))
+            for i in items
+            if i.attempt["job_id"]
+        ]
         try:
             observations.update(sched.poll(refs))
         except SchedulerError as exc:  # the files still tell progress; the next refresh asks again

@@ -89,3 +89,16 @@ def test_refusals_name_the_field_to_change(tmp_path):
 def test_no_controller_is_not_called_a_refusal(tmp_path):
     msg = explain_refusal("sbatch: error: Unable to contact slurm controller (connect failure)", plan_of(tmp_path, GPU_SPEC))
     assert msg.startswith("cannot reach SLURM from here: Unable to contact slurm controller") and "--executor local" in msg
+
+
+def test_polls_skip_older_jobs_that_reused_an_id():
+    import time as _time
+    from pathlib import Path as _P
+
+    from orchestrator.scheduler.base import JobRef
+    from orchestrator.scheduler.slurm import since_args
+
+    t = _time.mktime((2026, 11, 21, 12, 0, 0, 0, 0, -1))
+    refs = [JobRef("7_0", _P("/r"), 0, t + 50), JobRef("7_1", _P("/r"), 1, t)]
+    assert since_args(refs) == ["-S", "2026-11-21T11:00:00"]
+    assert since_args(refs + [JobRef("8", _P("/r"), 0, None)]) == []  # an attempt without a time: no bound

@@ -15,6 +15,7 @@ class JobRef:
     job_id: str
     run_dir: Path
     index: int
+    submitted_at: float | None = None  # lets a poll skip older jobs that reused the id
 
 
 @dataclass(frozen=True)

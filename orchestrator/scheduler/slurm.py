@@ -24,6 +24,7 @@ import pwd
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .. import commands, fragments
@@ -200,7 +201,7 @@ class SlurmScheduler:
         keys = [r.job_id for r in refs]
         jobs = sorted({parse_job_id(k).job for k in keys}, key=int)
         sacct = commands.query(
-            ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), "-j", ",".join(jobs)],
+            ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), *since_args(refs), "-j", ",".join(jobs)],
             timeout=QUERY_TIMEOUT_S,
         )
         squeue = commands.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
@@ -209,6 +210,15 @@ class SlurmScheduler:
     def cancel(self, refs: list[JobRef]) -> None:
         if refs:
             commands.query(["scancel", *sorted({r.job_id for r in refs})], timeout=QUERY_TIMEOUT_S)
+
+
+def since_args(refs: list[JobRef], margin_s: float = 3600) -> list[str]:
+    """``-S`` for sacct: only jobs active since shortly before the oldest submission, so an
+    old job that carried the same id (a controller restarted clean) is not taken for ours."""
+    times = [r.submitted_at for r in refs if r.submitted_at]
+    if len(times) != len(refs) or not times:
+        return []
+    return ["-S", time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(min(times) - margin_s))]
 
 
 def _user_name(uid: str) -> str:
