@@ -103,7 +103,9 @@ class Run:
         return Path(info["folder"]) if info["folder"] else protocol.checkpoints_dir(self.task_dir) / protocol.checkpoint_name(step)
 
     def finish(self, step: int) -> None:
+        """The run is complete: a late checkpoint signal is ignored from now on."""
         self._hb.beat(step, "done", force=True)
+        signal.signal(getattr(signal, "SIG" + self.config["checkpoint"]["signal"]), signal.SIG_IGN)
 
     def exit_for_requeue(self, step: int | None = None) -> None:
         """Leave with the requeue code: the agent (or SLURM) puts the task back in the queue."""

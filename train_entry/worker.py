@@ -70,10 +70,14 @@ class _SignalFlag:
 
     def __init__(self, name: str):
         self.raised = False
-        signal.signal(getattr(signal, f"SIG{name}"), self._set)
+        self.signum = getattr(signal, f"SIG{name}")
+        signal.signal(self.signum, self._set)
 
     def _set(self, _signum, _frame) -> None:
         self.raised = True
+
+    def ignore(self) -> None:
+        signal.signal(self.signum, signal.SIG_IGN)
 
 
 def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag) -> float | None:
@@ -183,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             **({"device_id": device} if device.type == "cuda" else {}),
         )
         loss = train(cfg, ctx, device, hb, flag)
+        flag.ignore()  # done: a signal that comes now (the time limit is near) must not kill a finished rank
         if ctx.rank == 0:
             print(f"finished {cfg['steps']} steps, final loss {loss:.4f}", flush=True)
         return ExitCode.OK
     except StopRequested as stop:
+        flag.ignore()  # saved and leaving: a second signal must not turn exit 75 into a kill
         if ctx.rank == 0:
             print(f"saved at step {stop.args[0]} on the checkpoint signal; asking to be requeued", flush=True)
         return ExitCode.REQUEUE
