@@ -120,7 +120,7 @@ def cmd_plan(args) -> int:
         gpu_memory = parse_memory_mb(args.gpu_memory) * 1024**2 if args.gpu_memory else None
     except ValueError as exc:
         raise UserError(f"--gpu-memory: {exc}") from None
-    spec = _task_spec(plan, args.task)
+    spec = tasks[args.task].spec
     doc = mp.plan(mp.shape_of(spec), mp.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory))
     doc["spec_engine"] = mp.candidate_of(spec.engine)
     if args.json:
@@ -128,13 +128,6 @@ def cmd_plan(args) -> int:
     else:
         _console().print(*render.memory_plan_tables(doc))
     return 0
-
-
-def _task_spec(plan, index: int):
-    from .spec import Spec
-
-    config = {k: v for k, v in plan.tasks[index].config.items() if k in Spec.model_fields}
-    return Spec.model_validate(config)
 
 
 def cmd_submit(args) -> int:

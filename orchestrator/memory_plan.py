@@ -25,7 +25,7 @@ data each way), with G micro-batches per step.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 GIB = 1024**3
 USABLE = 0.9  # of GPU memory: the rest is the CUDA context, allocator slack, buffers
@@ -109,7 +109,6 @@ class Estimate:
     comm_bytes: int  # per device per optimizer step
     inter_node_bytes: int
     offload_level: int = 0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def model_states(self) -> int:
@@ -145,7 +144,6 @@ def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
     opt = _adam_bytes(s.optimizer)
     kind = c.engine["kind"]
     act, act_ckpt = activations(shape, s)
-    notes: list[str] = []
     inter = 0
     if kind == "ddp":
         params, grads, optim, working, offloaded = 4 * P, 4 * P, opt * P, 0, 0
@@ -191,7 +189,7 @@ def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
     if kind != "fsdp" and s.nodes > 1:
         inter = comm  # flat rings cross node boundaries with all of it
     return Estimate(
-        c.name, c.engine, params, grads, optim, working, act, act_ckpt, offloaded, comm, inter, c.offload_level, notes
+        c.name, c.engine, params, grads, optim, working, act, act_ckpt, offloaded, comm, inter, c.offload_level
     )
 
 
@@ -229,16 +227,16 @@ def recommend(estimates: list[Estimate], s: Setting, shape: Shape) -> Recommenda
             None,
             False,
             None,
-            f"nothing fits in {_gib(budget)} usable per GPU ({int(USABLE * 100)} % of {_gib(s.gpu_memory)}): the least "
-            f"is {least[1].name}{' with activation checkpointing' if least[2] else ''} at {_gib(least[3])}; "
+            f"nothing fits in {human(budget)} usable per GPU ({int(USABLE * 100)} % of {human(s.gpu_memory)}): the least "
+            f"is {least[1].name}{' with activation checkpointing' if least[2] else ''} at {human(least[3])}; "
             f"add nodes, or lower batch.micro_batch_size or the sequence length{suffix}",
         )
     _, best, ac, peak = fits[0]
     cheaper = [o for o in options if o[0] < fits[0][0] and not (o[1] is best and o[2] == ac)]
-    why = f"{best.name}{' with activation checkpointing' if ac else ''} is the cheapest that fits: {_gib(peak)} of {_gib(budget)} usable per GPU"
+    why = f"{best.name}{' with activation checkpointing' if ac else ''} is the cheapest that fits: {human(peak)} of {human(budget)} usable per GPU"
     if cheaper:
         shown = sorted({(o[1].name + (" +ckpt" if o[2] else ""), o[3]) for o in cheaper}, key=lambda x: x[1])[:3]
-        why += "; cheaper ones need " + ", ".join(f"{n} {_gib(p)}" for n, p in shown)
+        why += "; cheaper ones need " + ", ".join(f"{n} {human(p)}" for n, p in shown)
     return Recommendation(best.name, best.engine, ac, peak, why + suffix)
 
 
@@ -254,10 +252,6 @@ def plan(shape: Shape, s: Setting) -> dict:
         ],
         "recommendation": asdict(rec),
     }
-
-
-def _gib(n: int | None) -> str:
-    return human(n)
 
 
 def human(n: int | None) -> str:

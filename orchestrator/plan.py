@@ -18,6 +18,7 @@ class PlannedTask:
     params: dict[str, Any]
     task_dir: Path
     config: dict  # written to task.json; what the trainer runs
+    spec: Spec | None = None  # the validated spec of this task (the sweep point applied)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executo
         )
         if t.spec.engine.kind == "deepspeed":
             config["deepspeed_config"] = deepspeed_config.render(t.spec)
-        planned.append(PlannedTask(t.index, t.params, tdir, config))
+        planned.append(PlannedTask(t.index, t.params, tdir, config, t.spec))
     return Plan(
         experiment_id=experiment_id,
         name=spec.name,

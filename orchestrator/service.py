@@ -151,7 +151,7 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
         attempt = item.attempt
         if launches and not attempt["launch"] and len(launches) > 1:  # first seen after it ran again
             _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launches[0], None))
-            attempt = ledger.attempts(exp_id, idx)[attempt["number"] - 1]
+            attempt = ledger.attempt(exp_id, idx, attempt["number"])
         # a requeued job runs again under the same id: each launch after the first is an attempt of its own
         for launch in _newer_launches(launches, attempt):
             own = next((l for l in launches if l.key == attempt["launch"]), None)
@@ -162,9 +162,9 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
                 ledger.update_attempt(exp_id, idx, attempt["number"], cause, state=AttemptState.REQUEUED.value, reason=cause)
             cause = f"{job_id} started again (restart {launch.restart_count})"
             number = ledger.add_attempt(exp_id, idx, job_id, cause)
-            attempt = ledger.attempts(exp_id, idx)[number - 1]
+            attempt = ledger.attempt(exp_id, idx, number)
             _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launch, None))
-            attempt = ledger.attempts(exp_id, idx)[number - 1]
+            attempt = ledger.attempt(exp_id, idx, number)
         obs = observations.get(job_id)
         if launches and attempt["launch"] == launches[-1].key and obs is not None and obs.state == AttemptState.PENDING:
             obs = None  # the job is pending again after this launch: requeued, the launch record tells the rest

@@ -149,7 +149,7 @@ class _EngineCommon(Strict):
 
     @field_validator("precision")
     @classmethod
-    def _fp16_needs_loss_scaling(cls, v: str, info) -> str:
+    def _fp16_needs_loss_scaling(cls, v: str) -> str:
         if v == "fp16" and cls is not DeepSpeedEngine:
             raise ValueError("fp16 needs dynamic loss scaling, which only engine kind `deepspeed` has here; use bf16")
         return v

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,25 @@ def status_json(home: Path, *ref: str) -> dict:
     out = cli("status", *ref, "--json", home=home)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def submit(home: Path, *args: str) -> str:
+    """`orchestrate submit ...` without waiting; the experiment id."""
+    out = cli("submit", *args, home=home)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def wait_experiment(home: Path, exp_id: str, states, timeout: float = 240) -> dict:
+    """Poll `status --json` until the experiment is in one of ``states``; its document."""
+    deadline = time.time() + timeout
+    while True:
+        exp = status_json(home, exp_id)["experiments"][0]
+        if exp["state"] in states:
+            return exp
+        if time.time() > deadline:
+            raise AssertionError(f"{exp_id} not in {states} after {timeout} s: {exp}")
+        time.sleep(1)
 
 
 def write(path: Path, text: str) -> Path:

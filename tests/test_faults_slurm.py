@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import cli, slurm_run, status_json, write
+from conftest import cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import protocol
 from orchestrator.ledger import Ledger
 
@@ -61,22 +61,10 @@ def metrics(task_dir):
     return rows
 
 
-def wait_state(home, exp_id, states, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        exp = status_json(home, exp_id)["experiments"][0]
-        if exp["state"] in states:
-            return exp
-        time.sleep(1)
-    raise AssertionError(f"{exp_id} not in {states} after {timeout} s: {exp}")
-
-
 def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, release):
     four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, time: '00:10:00'}"
     spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=160, signal_before=120, resources=four_nodes))
-    out = cli("submit", str(spec), "--executor", "slurm", home=home)
-    assert out.returncode == 0, out.stderr
-    exp_id = out.stdout.strip()
+    exp_id = submit(home, str(spec), "--executor", "slurm")
     run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
     tdir = protocol.task_dir(run_dir, 0)
     deadline = time.time() + 120
@@ -84,7 +72,7 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
         assert time.time() < deadline, "the low-priority run did not get going"
         time.sleep(0.3)
     slurm_run("sbatch", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "sleep 2")  # takes every node
-    exp = wait_state(home, exp_id, {"COMPLETED", "FAILED"}, 400)
+    exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 400)
     assert exp["state"] == "COMPLETED", exp
 
     # the same spec, never interrupted (4 ranks of 2 threads on one node: the same world, data order and kernels)
@@ -113,10 +101,8 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
 def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, home, tmp_path, release):
     one_node = "{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: '00:02:00'}"
     spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=16000, signal_before=60, resources=one_node))
-    out = cli("submit", str(spec), "--executor", "slurm", home=home)
-    assert out.returncode == 0, out.stderr
-    exp_id = out.stdout.strip()
-    exp = wait_state(home, exp_id, {"COMPLETED", "FAILED"}, 580)
+    exp_id = submit(home, str(spec), "--executor", "slurm")
+    exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 580)
     assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 16000, exp
     ledger = Ledger.open(home / "ledger.db")
     attempts = ledger.attempts(exp_id, 0)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import cli, status_json, write
+from conftest import cli, status_json, wait_experiment, write
 from orchestrator.ledger import Ledger
 
 pytestmark = pytest.mark.multiproc
@@ -19,17 +19,6 @@ optimizer: {{lr: 3.0e-3}}
 logging: {{every_steps: 10}}
 heartbeat: {{interval_s: 1}}
 """
-
-
-def wait_for(home, exp_id, states, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        doc = status_json(home, exp_id)
-        exp = doc["experiments"][0]
-        if exp["state"] in states:
-            return exp
-        time.sleep(1)
-    raise AssertionError(f"{exp_id} did not reach {states}: {exp}")
 
 
 def test_quickstart_trains_with_two_ranks_and_records_its_life(home):
@@ -58,7 +47,7 @@ def test_two_submissions_are_two_experiments_and_commands_are_repeatable(home, t
         assert out.returncode == 0, out.stderr
         ids.append(out.stdout.strip())
     assert ids[0] != ids[1]
-    exps = [wait_for(home, i, {"COMPLETED"}) for i in ids]
+    exps = [wait_experiment(home, i, {"COMPLETED"}) for i in ids]
     assert exps[0]["run_dir"] != exps[1]["run_dir"]
     again = [status_json(home, i)["experiments"][0] for i in ids]
     for a, b in zip(exps, again):
@@ -91,7 +80,7 @@ def test_user_code_error_fails_with_the_traceback_in_the_ledger(home, tmp_path):
 def test_cancel_stops_every_process(home, tmp_path):
     spec = write(tmp_path / "long.yaml", SMALL.format(steps=100000))
     exp_id = cli("submit", str(spec), "--executor", "local", home=home).stdout.strip()
-    exp = wait_for(home, exp_id, {"RUNNING"})
+    exp = wait_experiment(home, exp_id, {"RUNNING"})
     ledger = Ledger.open(home / "ledger.db")
     deadline = time.time() + 60
     while len(ledger.heartbeats(exp_id, 0)) < 2 and time.time() < deadline:
@@ -100,7 +89,7 @@ def test_cancel_stops_every_process(home, tmp_path):
     pids = [h["pid"] for h in ledger.heartbeats(exp_id, 0)]
     out = cli("cancel", exp_id, home=home)
     assert out.returncode == 0 and "cancelling task(s) 0" in out.stdout
-    exp = wait_for(home, exp_id, {"CANCELLED", "FAILED", "COMPLETED"}, timeout=60)
+    exp = wait_experiment(home, exp_id, {"CANCELLED", "FAILED", "COMPLETED"}, timeout=60)
     assert exp["state"] == "CANCELLED"
     time.sleep(0.5)
     for pid in pids:

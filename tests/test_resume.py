@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import cli, status_json, write
+from conftest import status_json, submit, wait_experiment, write
 from orchestrator import protocol
 from orchestrator.ledger import Ledger
 
@@ -54,20 +54,14 @@ def wait_until(pred, timeout=240, what=""):
 
 
 def run_and_interrupt(home, spec, at_step=12, *overrides):
-    out = cli("submit", str(spec), "--executor", "local", *overrides, home=home)
-    assert out.returncode == 0, out.stderr
-    exp_id = out.stdout.strip()
+    exp_id = submit(home, str(spec), "--executor", "local", *overrides)
     exp = status_json(home, exp_id)["experiments"][0]
     run_dir = exp["run_dir"]
     tdir = protocol.task_dir(run_dir, 1)
     wait_until(lambda: metrics_step(tdir) >= at_step, what="step {at_step}")
     agent = protocol.read_json(os.path.join(run_dir, "local", "task-1.json"))["pid"]
     os.kill(agent, signal.SIGUSR2)  # what SLURM sends before a preemption or the time limit
-    final = wait_until(
-        lambda: (e := status_json(home, exp_id)["experiments"][0])["state"] in ("COMPLETED", "FAILED") and e,
-        what="the end",
-    )
-    return final
+    return wait_experiment(home, exp_id, {"COMPLETED", "FAILED"})
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))

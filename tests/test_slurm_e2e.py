@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, slurm_run, status_json, write
+from conftest import cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import commands, service
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler.slurm import render_batch_script
@@ -89,9 +89,7 @@ def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, 
     other = write(tmp_path / "other.yaml", "name: other\nsteps: 100000\nresources: {tasks_per_node: 2}\n")
     ids = []
     for s in (spec, other):
-        out = cli("submit", str(s), "--executor", "slurm", home=home)
-        assert out.returncode == 0, out.stderr
-        ids.append(out.stdout.strip())
+        ids.append(submit(home, str(s), "--executor", "slurm"))
     exp_id = ids[0]
     wait_task(home, exp_id, 0, {"RUNNING"})
 
@@ -112,11 +110,7 @@ def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, 
     for exp in ids:
         assert cli("cancel", exp, home=home).returncode == 0
     for exp in ids:
-        final = status_json(home, exp)["experiments"][0]
-        deadline = time.time() + 90
-        while final["state"] != "CANCELLED" and time.time() < deadline:
-            time.sleep(1)
-            final = status_json(home, exp)["experiments"][0]
+        final = wait_experiment(home, exp, {"CANCELLED", "FAILED", "COMPLETED"}, 90)
         assert final["state"] == "CANCELLED" and all(t["state"] == "CANCELLED" for t in final["tasks"]), final
     array = status_json(home, exp_id)["experiments"][0]["tasks"][0]["job_id"].split("_")[0]
     assert set(sacct_states(array).values()) == {"CANCELLED by 0"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,32 @@ class Resume:
     step: int = 0
     world_size: int | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
+    cleaned: list[str] = field(default_factory=list)  # leftovers of saves that never committed
+
+    def report(self, hb) -> None:
+        """Tell the ledger what discovery found (rank 0 writes)."""
+        if self.cleaned:
+            hb.event("checkpoint.cleaned", f"removed {', '.join(self.cleaned)}: saves that never committed")
+        for folder, why in self.skipped:
+            hb.event("checkpoint.skipped", f"{folder}: {why}; trying an older one", folder=folder)
+        if self.folder is not None:
+            hb.event("checkpoint.resumed", f"resumed from step {self.step} ({self.folder}, world size {self.world_size})", step=self.step)
+
+
+class CheckpointSignal:
+    """The checkpoint signal (preemption, time limit) only sets a flag; the loop acts on it."""
+
+    def __init__(self, name: str):
+        self.raised = False
+        self.signum = getattr(signal, f"SIG{name}")
+        signal.signal(self.signum, self._set)
+
+    def _set(self, _signum, _frame) -> None:
+        self.raised = True
+
+    def ignore(self) -> None:
+        """Done, or saved and leaving: a late signal must not kill the process."""
+        signal.signal(self.signum, signal.SIG_IGN)
 
 
 def _rng_state() -> dict:
@@ -172,8 +199,7 @@ class Checkpointer:
     def find_resume(self) -> Resume:
         """The newest committed checkpoint that verifies (collective: the ranks share the hashing).
         Leftovers of saves that never committed are removed first (nothing writes at this point)."""
-        if self.rank == 0:
-            self.leftovers = protocol.remove_leftovers(self.task_dir)
+        cleaned = protocol.remove_leftovers(self.task_dir) if self.rank == 0 else []
         dist.barrier()
         candidates = [folder for _, folder in protocol.committed_checkpoints(self.task_dir)]
         if not candidates and self.cfg.get("resume_from"):
@@ -188,9 +214,9 @@ class Checkpointer:
             problem = self._verify(folder)
             if problem is None:
                 m = protocol.read_json(folder / protocol.MANIFEST)
-                return Resume(folder, int(m["step"]), int(m["world_size"]), skipped)
+                return Resume(folder, int(m["step"]), int(m["world_size"]), skipped, cleaned)
             skipped.append((str(folder), problem))
-        return Resume(None, 0, None, skipped)
+        return Resume(None, 0, None, skipped, cleaned)
 
     def _verify(self, folder: Path) -> str | None:
         problem = protocol.verify_checkpoint(folder, deep=False) if self.rank == 0 else None

@@ -28,15 +28,13 @@ Everything is collective where it says so: call it on every rank.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 from orchestrator import protocol
 from orchestrator.protocol import ExitCode
 
-from .checkpoint import Checkpointer, Resume
+from .checkpoint import Checkpointer, CheckpointSignal, Resume
 from .env import rank_context
 from .heartbeat import Heartbeat
 
@@ -53,12 +51,8 @@ class Run:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._hb = Heartbeat(self.task_dir, self.ctx, self.config["heartbeat"]["interval_s"])
         self._ckpt = Checkpointer(self.config, self.task_dir, self.rank, self.world_size)
-        self._signalled = False
-        signal.signal(getattr(signal, "SIG" + self.config["checkpoint"]["signal"]), self._on_signal)
+        self._signal = CheckpointSignal(self.config["checkpoint"]["signal"])
         self._hb.beat(0, "init", force=True)
-
-    def _on_signal(self, _signum, _frame) -> None:
-        self._signalled = True  # only a flag: the loop acts at the next step boundary
 
     @property
     def deepspeed_config(self) -> dict | None:
@@ -76,7 +70,7 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([int(self._signalled)], dtype=torch.int32)
+        flag = torch.tensor([int(self._signal.raised)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -84,12 +78,8 @@ class Run:
         """Collective: the newest committed checkpoint that verifies (damaged ones are skipped
         and recorded), or None. Load your state from ``.folder``; ``.step`` is its step."""
         found = self._ckpt.find_resume()
-        for folder, why in found.skipped:
-            self._event("checkpoint.skipped", f"{folder}: {why}; trying an older one")
-        if found.folder is None:
-            return None
-        self._event("checkpoint.resumed", f"resumed from step {found.step} ({found.folder}, world size {found.world_size})")
-        return found
+        found.report(self._hb)
+        return found if found.folder is not None else None
 
     def begin_checkpoint(self, step: int) -> Path:
         """Collective: an empty folder to save step ``step`` into; not a checkpoint until committed."""
@@ -99,13 +89,13 @@ class Run:
     def commit_checkpoint(self, step: int) -> Path:
         """Collective: hash the files, write the manifest last, rename into place, prune."""
         info = self._ckpt.commit(step, {"launch": self.ctx.launch})
-        self._event("checkpoint.committed", f"step {step} saved by the script in {info['total_s']:.2f} s", **info)
+        self._hb.event("checkpoint.committed", f"step {step} saved by the script in {info['total_s']:.2f} s", **info)
         return Path(info["folder"]) if info["folder"] else protocol.checkpoints_dir(self.task_dir) / protocol.checkpoint_name(step)
 
     def finish(self, step: int) -> None:
         """The run is complete: a late checkpoint signal is ignored from now on."""
         self._hb.beat(step, "done", force=True)
-        signal.signal(getattr(signal, "SIG" + self.config["checkpoint"]["signal"]), signal.SIG_IGN)
+        self._signal.ignore()
 
     def exit_for_requeue(self, step: int | None = None) -> None:
         """Leave with the requeue code: the agent (or SLURM) puts the task back in the queue."""
@@ -114,13 +104,6 @@ class Run:
 
         dist.destroy_process_group()
         sys.exit(ExitCode.REQUEUE)
-
-    def _event(self, kind: str, cause: str, **extra) -> None:
-        if self.rank == 0:
-            protocol.append_jsonl(
-                protocol.events_path(self.task_dir),
-                {"event": kind, "cause": cause, "launch": self.ctx.launch, "time": time.time(), **extra},
-            )
 
 
 def init() -> Run:

@@ -17,6 +17,7 @@ from .env import RankContext
 
 class Heartbeat:
     def __init__(self, task_dir: str | Path, ctx: RankContext, interval_s: float, clock=time.time):
+        self.task_dir = task_dir
         self.path = protocol.heartbeat_path(task_dir, ctx.rank)
         self.metrics = protocol.metrics_path(task_dir)
         self.ctx = ctx
@@ -51,4 +52,12 @@ class Heartbeat:
             protocol.append_jsonl(
                 self.metrics,
                 {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "time": self.clock(), "launch": self.ctx.launch},
+            )
+
+    def event(self, kind: str, cause: str, **extra) -> None:
+        """Something the ledger should record (rank 0 writes it): resumes, commits, skips."""
+        if self.ctx.rank == 0:
+            protocol.append_jsonl(
+                protocol.events_path(self.task_dir),
+                {"event": kind, "cause": cause, "launch": self.ctx.launch, "time": self.clock(), **extra},
             )

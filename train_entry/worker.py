@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import signal
 import sys
 import time
 import traceback
@@ -65,22 +64,7 @@ class StopRequested(Exception):
     """The checkpoint signal came: the run was saved and asks to be requeued."""
 
 
-class _SignalFlag:
-    """The checkpoint signal (preemption, time limit) only sets a flag; the loop acts on it."""
-
-    def __init__(self, name: str):
-        self.raised = False
-        self.signum = getattr(signal, f"SIG{name}")
-        signal.signal(self.signum, self._set)
-
-    def _set(self, _signum, _frame) -> None:
-        self.raised = True
-
-    def ignore(self) -> None:
-        signal.signal(self.signum, signal.SIG_IGN)
-
-
-def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag) -> float | None:
+def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | None:
     import torch
     from torch import distributed as dist
 
@@ -90,19 +74,8 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag)
     from .models import build_workload
     from .schedule import lr_at
 
-    task_dir = cfg["task_dir"]
-    events = protocol.events_path(task_dir)
-
-    def event(kind: str, cause: str, **extra) -> None:
-        if ctx.rank == 0:
-            protocol.append_jsonl(events, {"event": kind, "cause": cause, "launch": ctx.launch, "time": time.time(), **extra})
-
-    ckpt = Checkpointer(cfg, task_dir, ctx.rank, ctx.world_size)
+    ckpt = Checkpointer(cfg, cfg["task_dir"], ctx.rank, ctx.world_size)
     resume = ckpt.find_resume()
-    if getattr(ckpt, "leftovers", None):
-        event("checkpoint.cleaned", f"removed {', '.join(ckpt.leftovers)}: saves that never committed")
-    for folder, why in resume.skipped:
-        event("checkpoint.skipped", f"{folder}: {why}; trying an older one", folder=folder)
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     workload = build_workload(cfg)
     engine = build_engine(cfg, workload.model, device, resume)
@@ -112,7 +85,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag)
     if resume.folder is not None:
         ckpt.load(resume)
         step = resume.step
-        event("checkpoint.resumed", f"resumed from step {step} ({resume.folder}, world size {resume.world_size})", step=step)
+    resume.report(hb)
     mb, accum = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"]
     sampler = Sampler(len(workload.dataset), cfg["seed"], mb, accum, ctx.world_size, ctx.rank)
     total, every = cfg["steps"], cfg["logging"]["every_steps"]
@@ -120,7 +93,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag: _SignalFlag)
 
     def saved(info: dict | None, why: str) -> None:
         if info and info.get("folder"):
-            event("checkpoint.committed", f"step {info['step']} saved ({why}): training blocked {info['blocked_s']:.2f} s, "
+            hb.event("checkpoint.committed", f"step {info['step']} saved ({why}): training blocked {info['blocked_s']:.2f} s, "
                   f"{info['total_s']:.2f} s in all", **info)
 
     last_loss = None
@@ -175,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INFRA_ERROR
     ctx = rank_context(os.environ)
     hb = Heartbeat(task_dir, ctx, cfg["heartbeat"]["interval_s"])
-    flag = _SignalFlag(cfg["checkpoint"]["signal"])
+    from .checkpoint import CheckpointSignal
+
+    flag = CheckpointSignal(cfg["checkpoint"]["signal"])
     hb.beat(0, "init", force=True)
     from torch import distributed as dist
 

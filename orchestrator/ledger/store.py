@@ -213,6 +213,9 @@ class Ledger:
             return list(self.db["attempts"].rows_where("experiment_id = ?", [exp_id], order_by="idx, number"))
         return list(self.db["attempts"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="number"))
 
+    def attempt(self, exp_id: str, idx: int, number: int) -> dict:
+        return self.db["attempts"].get((exp_id, idx, number))
+
     def add_attempt(self, exp_id: str, idx: int, job_id: str, cause: str) -> int:
         with self.tx():
             row = self.db.execute(
