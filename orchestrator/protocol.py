@@ -14,6 +14,9 @@ Run folder layout (one per experiment)::
         metrics.jsonl                 rank 0 appends one line per logged step
         launches/<launch>/start.json  written by the node agent when a launch starts
         launches/<launch>/node-<n>.json  one per node agent when it ends
+        launches/<launch>/gen-<g>.end.json  why generation g of the ranks ended (first writer wins)
+        launches/<launch>/gen-<g>.node-<n>.stopped.json  node n has stopped its ranks of generation g
+        launches/<launch>/stacks/     stack traces of every rank, taken before a hung generation is killed
         logs/rank-<r>.log             stdout and stderr of each rank, all launches
         checkpoints/                  sharded checkpoints
         cancel                        present: the local executor stops the task
@@ -21,6 +24,7 @@ Run folder layout (one per experiment)::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -105,6 +109,83 @@ def cancel_flag_path(tdir: str | os.PathLike) -> Path:
     return Path(tdir) / "cancel"
 
 
+def generation_end_path(ldir: str | os.PathLike, generation: int) -> Path:
+    """Why generation ``generation`` of a launch's ranks ends: restart in place, or stop."""
+    return Path(ldir) / f"gen-{generation}.end.json"
+
+
+def generation_stopped_path(ldir: str | os.PathLike, generation: int, node_rank: int) -> Path:
+    return Path(ldir) / f"gen-{generation}.node-{node_rank}.stopped.json"
+
+
+def stacks_path(ldir: str | os.PathLike, generation: int, rank: int) -> Path:
+    return Path(ldir) / "stacks" / f"gen-{generation}.rank-{rank}.txt"
+
+
+# Ranks dump the stacks of all their threads on this signal (faulthandler, so it works
+# even when the Python thread is blocked in a collective). A real-time signal: no
+# launcher or library uses it, unlike USR1/USR2.
+DUMP_SIGNAL_OFFSET = 4
+
+
+def dump_signal() -> int:
+    import signal
+
+    return signal.SIGRTMIN + DUMP_SIGNAL_OFFSET
+
+
+# Why a generation of ranks ended, and what comes next. The agent that sees the first
+# failure (or the watcher, for a hang) writes it with create_exclusive_json; every node
+# agent then acts on that one record, so all nodes restart or stop together.
+FAILURE_EXIT = {"user_error": ExitCode.USER_ERROR, "oom": ExitCode.OUT_OF_MEMORY}
+
+
+UNCAUGHT_EXCEPTION = 1  # how Python exits on an uncaught exception: in a user's own script, its bug
+
+
+def failure_kind(exit_code: int | None) -> str:
+    """user_error, oom or infrastructure (a signal, a lost peer, anything else)."""
+    kinds = {ExitCode.USER_ERROR: "user_error", UNCAUGHT_EXCEPTION: "user_error", ExitCode.OUT_OF_MEMORY: "oom"}
+    return kinds.get(exit_code, "infrastructure")
+
+
+def generation_end(
+    kind: str, cause: str, generation: int, history: list[dict], max_restarts: int, step: int | None = None, **extra: Any
+) -> dict:
+    """The record that ends ``generation``: restart the ranks in place from the last
+    committed checkpoint, or stop the launch (and let the login side decide).
+
+    ``history``: the end records of the earlier generations of the launch. An error of
+    the user's code (or out of memory) that comes back at the same step would only come
+    back again: that stops at once, whatever the limit."""
+    action, why = "restart", f"restart {generation + 1} of {max_restarts} in place"
+    if generation >= max_restarts:
+        action, why = "stop", f"the {max_restarts} in-place restart(s) are used up"
+    elif kind in FAILURE_EXIT and step is not None and any(
+        h.get("kind") == kind and h.get("step") == step for h in history
+    ):
+        action, why = "stop", f"the same {kind.replace('_', ' ')} came back at step {step}"
+    return {
+        "generation": generation,
+        "action": action,
+        "kind": kind,
+        "cause": cause,
+        "decision": why,
+        "step": step,
+        "exit_code": int(FAILURE_EXIT.get(kind, ExitCode.INFRA_ERROR)),
+        "time": time.time(),
+        **extra,
+    }
+
+
+def generation_ends(ldir: str | os.PathLike) -> list[dict]:
+    """End records of a launch's generations, in order (stops at the first gap)."""
+    out = []
+    while (rec := read_json(generation_end_path(ldir, len(out)))) is not None:
+        out.append(rec)
+    return out
+
+
 def launch_key(job_id: str, restart_count: int) -> str:
     """Names one launch of a task: a scheduler job id plus SLURM's restart count."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(job_id))
@@ -135,6 +216,26 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+def create_exclusive_json(path: str | os.PathLike, obj: Any) -> bool:
+    """Write ``obj`` to ``path`` only if no one has: complete or absent, and of several
+    writers (agents on different nodes, a watcher) exactly one wins. Returns whether we did."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)  # atomic, and fails if the name exists (also on NFS)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def read_json(path: str | os.PathLike) -> Any | None:
@@ -293,8 +394,9 @@ def heartbeat_record(
     step: int,
     phase: str,
     step_time_s: float | None = None,
+    generation: int = 0,
 ) -> dict:
-    """One rank's heartbeat. ``phase``: init, train, checkpoint, done, failed."""
+    """One rank's heartbeat. ``phase``: init, train, saving, requeue, done, failed."""
     return {
         "v": CONTRACT_VERSION,
         "rank": rank,
@@ -303,6 +405,7 @@ def heartbeat_record(
         "node": node,
         "pid": os.getpid(),
         "launch": launch,
+        "generation": generation,
         "step": step,
         "phase": phase,
         "step_time_s": step_time_s,

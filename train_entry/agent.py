@@ -83,87 +83,34 @@ def node_main(task_dir: str) -> int:
     for sig in {signal.SIGTERM, signal.SIGINT, ckpt_signal}:
         signal.signal(sig, flags.handler)
 
-    try:
-        addr, port = rendezvous(ctx)
-    except RuntimeError as exc:
-        print(f"orchestrate agent: {exc}", file=sys.stderr)
-        return ExitCode.INFRA_ERROR
     started = time.time()
-    if ctx.node_rank == 0:
-        protocol.atomic_write_json(
-            ldir / "start.json",
-            {
-                "launch": launch,
-                "job_id": ctx.job_id,
-                "restart_count": ctx.restart_count,
-                "nodes": list(ctx.nodes),
-                "world_size": ctx.nnodes * cfg["resources"]["tasks_per_node"],
-                "master": f"{addr}:{port}",
-                "time": started,
-            },
-        )
+    generation, result = 0, None
+    while result is None:
+        try:
+            addr, port = rendezvous(ctx, generation=generation)
+        except RuntimeError as exc:
+            print(f"orchestrate agent: {exc}", file=sys.stderr)
+            return ExitCode.INFRA_ERROR
+        if ctx.node_rank == 0 and generation == 0:
+            protocol.atomic_write_json(
+                ldir / "start.json",
+                {
+                    "launch": launch,
+                    "job_id": ctx.job_id,
+                    "restart_count": ctx.restart_count,
+                    "nodes": list(ctx.nodes),
+                    "world_size": ctx.nnodes * cfg["resources"]["tasks_per_node"],
+                    "master": f"{addr}:{port}",
+                    "time": started,
+                },
+            )
+        gen = Generation(cfg, ctx, tdir, ldir, launch, generation, addr, port, flags)
+        result = gen.run()
+        if result is None:  # restarted in place: every node stopped its ranks
+            time.sleep(min(RESTART_BACKOFF_MAX_S, 2.0**generation))
+            generation += 1
+    code, codes, first_failed = result
 
-    procs: dict[int, subprocess.Popen] = {}
-    logs = []
-    per_node = cfg["resources"]["tasks_per_node"]
-    for local_rank in range(per_node):
-        rank = ctx.node_rank * per_node + local_rank
-        lpath = protocol.log_path(tdir, rank)
-        lpath.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(lpath, "a", encoding="utf-8")
-        fh.write(f"=== launch {launch} rank {rank} on {ctx.node_name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
-        fh.flush()
-        logs.append(fh)
-        if cfg["model"]["kind"] == "script":  # the user's own loop, with train_entry.client
-            argv = [sys.executable, cfg["model"]["script"], *cfg["model"].get("args", [])]
-        else:
-            argv = [sys.executable, "-m", "train_entry.worker", str(tdir)]
-        procs[rank] = subprocess.Popen(
-            argv,
-            env=worker_env(dict(os.environ), cfg, ctx, local_rank, addr, port, launch),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    codes: dict[int, int | None] = {r: None for r in procs}
-    first_failed: int | None = None
-    cancelled = False
-    stop_deadline: float | None = None
-    # scancel and SLURM's kill reach the ranks too, sometimes just before they reach
-    # us: a rank killed by SIGTERM/SIGINT counts as failed only if no such signal
-    # comes to the agent within EXTERNAL_KILL_S.
-    killed_at: dict[int, float] = {}
-    while any(c is None for c in codes.values()) or (killed_at and not cancelled):
-        while flags.signals:
-            sig = flags.signals.pop(0)
-            if sig in (signal.SIGTERM, signal.SIGINT):
-                cancelled = True
-            _signal_all(procs, codes, sig)
-        for rank, p in procs.items():
-            if codes[rank] is None and (rc := p.poll()) is not None:
-                codes[rank] = rc
-                if rc in (-signal.SIGTERM, -signal.SIGINT):
-                    killed_at[rank] = time.time()
-                elif rc != 0 and first_failed is None and not cancelled:
-                    first_failed = rank
-        for rank, at in list(killed_at.items()):
-            if cancelled:
-                killed_at.clear()
-            elif time.time() - at > EXTERNAL_KILL_S:
-                del killed_at[rank]
-                first_failed = rank if first_failed is None else first_failed
-        if (first_failed is not None or cancelled) and stop_deadline is None:
-            stop_deadline = time.time() + TERM_GRACE_S
-            if cancelled or codes[first_failed] != ExitCode.REQUEUE:  # a saved rank's peers are exiting too
-                _signal_all(procs, codes, signal.SIGTERM)
-        if stop_deadline is not None and time.time() > stop_deadline:
-            _signal_all(procs, codes, signal.SIGKILL)
-        time.sleep(0.1)
-    for fh in logs:
-        fh.close()
-
-    code = ExitCode.CANCELLED if cancelled and first_failed is None else launch_exit_code(codes, first_failed)
     protocol.atomic_write_json(
         ldir / f"node-{ctx.node_rank}.json",
         {
@@ -173,6 +120,7 @@ def node_main(task_dir: str) -> int:
             "exit_code": int(code),
             "rank_exit_codes": {str(r): c for r, c in codes.items()},
             "first_failed_rank": first_failed,
+            "generation": generation,
             "started": started,
             "ended": time.time(),
         },
@@ -180,6 +128,177 @@ def node_main(task_dir: str) -> int:
     if code == ExitCode.REQUEUE and ctx.on_slurm:
         code = requeue(ctx, cfg, ldir, flags)
     return int(code)
+
+
+RESTART_BACKOFF_MAX_S = 30.0
+DUMP_WAIT_S = 3.0  # for every rank to write its stacks
+STOP_BARRIER_S = 90.0  # for every node to stop its ranks before a restart
+ROOT_CAUSE_HEADSTART_S = 2.0  # a rank that lost its peer waits this long before speaking for the launch
+
+
+class Generation:
+    """One set of training processes on this node, and how it ended.
+
+    ``run`` returns None when the ranks are to be restarted in place (every node has
+    stopped its ranks by then), else (exit code, rank exit codes, first failed rank).
+    """
+
+    def __init__(self, cfg, ctx: NodeContext, tdir: Path, ldir: Path, launch: str, generation: int, addr, port, flags):
+        self.cfg, self.ctx, self.tdir, self.ldir, self.launch = cfg, ctx, tdir, ldir, launch
+        self.generation, self.addr, self.port, self.flags = generation, addr, port, flags
+        self.per_node = cfg["resources"]["tasks_per_node"]
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.codes: dict[int, int | None] = {}
+
+    def start(self) -> None:
+        ctx = self.ctx
+        for local_rank in range(self.per_node):
+            rank = ctx.node_rank * self.per_node + local_rank
+            lpath = protocol.log_path(self.tdir, rank)
+            lpath.parent.mkdir(parents=True, exist_ok=True)
+            with open(lpath, "a", encoding="utf-8") as fh:
+                fh.write(f"=== launch {self.launch} generation {self.generation} rank {rank} on {ctx.node_name} "
+                         f"at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+                fh.flush()
+                if self.cfg["model"]["kind"] == "script":  # the user's own loop, with train_entry.client
+                    argv = [sys.executable, self.cfg["model"]["script"], *self.cfg["model"].get("args", [])]
+                else:
+                    argv = [sys.executable, "-m", "train_entry.worker", str(self.tdir)]
+                env = worker_env(dict(os.environ), self.cfg, ctx, local_rank, self.addr, self.port, self.launch)
+                env["ORCHESTRATE_GENERATION"] = str(self.generation)
+                self.procs[rank] = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.codes = {r: None for r in self.procs}
+
+    def run(self):
+        self.start()
+        procs, codes, flags = self.procs, self.codes, self.flags
+        end_path = protocol.generation_end_path(self.ldir, self.generation)
+        first_failed: int | None = None
+        failed_at = 0.0
+        cancelled = False
+        stop_deadline: float | None = None
+        # scancel and SLURM's kill reach the ranks too, sometimes just before they reach
+        # us: a rank killed by SIGTERM/SIGINT counts as failed only if no such signal
+        # comes to the agent within EXTERNAL_KILL_S.
+        killed_at: dict[int, float] = {}
+
+        def failure() -> bool:  # a failure to restart from (not a save on the checkpoint signal)
+            return first_failed is not None and not cancelled and codes[first_failed] != ExitCode.REQUEUE
+
+        while any(c is None for c in codes.values()) or (killed_at and not cancelled):
+            while flags.signals:
+                sig = flags.signals.pop(0)
+                if sig in (signal.SIGTERM, signal.SIGINT):
+                    cancelled = True
+                _signal_all(procs, codes, sig)
+            for rank, p in procs.items():
+                if codes[rank] is None and (rc := p.poll()) is not None:
+                    codes[rank] = rc
+                    if rc in (-signal.SIGTERM, -signal.SIGINT):
+                        killed_at[rank] = time.time()
+                    elif rc != 0 and first_failed is None and not cancelled:
+                        first_failed, failed_at = rank, time.time()
+            for rank, at in list(killed_at.items()):
+                if cancelled:
+                    killed_at.clear()
+                elif time.time() - at > EXTERNAL_KILL_S:
+                    del killed_at[rank]
+                    if first_failed is None:
+                        first_failed, failed_at = rank, time.time()
+            if not cancelled and end_path.exists():  # another node, or the watcher, ended this generation
+                return self._end(protocol.read_json(end_path))
+            if failure() and self._may_speak(codes[first_failed], failed_at):
+                self._propose(first_failed, codes[first_failed])
+                return self._end(protocol.read_json(end_path))
+            if cancelled and stop_deadline is None:
+                stop_deadline = time.time() + TERM_GRACE_S
+                _signal_all(procs, codes, signal.SIGTERM)
+            if first_failed is not None and stop_deadline is None:  # saved on the signal: its peers are exiting too
+                stop_deadline = time.time() + TERM_GRACE_S
+            if stop_deadline is not None and time.time() > stop_deadline:
+                _signal_all(procs, codes, signal.SIGKILL)
+            time.sleep(0.1)
+        if not cancelled and not all(c == 0 for c in codes.values()):
+            # every rank here is gone: wait for the root cause to be told, or tell it
+            while not end_path.exists() and failure() and not self._may_speak(codes[first_failed], failed_at):
+                time.sleep(0.1)
+            if failure() and not end_path.exists():
+                self._propose(first_failed, codes[first_failed])
+            if end_path.exists():
+                return self._end(protocol.read_json(end_path))
+        code = ExitCode.CANCELLED if cancelled and first_failed is None else launch_exit_code(codes, first_failed)
+        return code, codes, first_failed
+
+    @staticmethod
+    def _may_speak(code: int | None, failed_at: float) -> bool:
+        """A rank killed by a signal, or that raised on its own, is the root cause; one
+        that only lost its peer waits a moment for the node of the root cause to speak."""
+        kind = protocol.failure_kind(code)
+        return kind != "infrastructure" or (code is not None and code < 0) or time.time() - failed_at > ROOT_CAUSE_HEADSTART_S
+
+    def _propose(self, rank: int, code: int | None) -> None:
+        """Write this generation's end record, unless another node or the watcher did first."""
+        err = protocol.read_json(protocol.error_path(self.tdir, self.launch, rank)) or {}
+        if err.get("generation", self.generation) != self.generation:
+            err = {}
+        hb = protocol.read_json(protocol.heartbeat_path(self.tdir, rank)) or {}
+        step = err.get("step", hb.get("step"))
+        if code is not None and code < 0:
+            what = f"was killed by {signal.Signals(-code).name}"
+        elif err:
+            what = f"raised {err.get('type')}: {str(err.get('message', ''))[:300]}"
+        else:
+            what = f"exited with code {code}"
+        cause = f"rank {rank} on {self.ctx.node_name} {what} (after step {step})"
+        history = protocol.generation_ends(self.ldir)[: self.generation]
+        max_restarts = self.cfg.get("retry", {}).get("max_restarts", 3)
+        record = protocol.generation_end(
+            protocol.failure_kind(code), cause, self.generation, history, max_restarts, step,
+            rank=rank, node=self.ctx.node_name, by=f"node agent on {self.ctx.node_name}",
+        )
+        protocol.create_exclusive_json(protocol.generation_end_path(self.ldir, self.generation), record)
+
+    def _end(self, record: dict):
+        """Stop this node's ranks as the end record says; None to restart, else the result."""
+        procs, codes = self.procs, self.codes
+        record = record or {"action": "stop", "exit_code": int(ExitCode.INFRA_ERROR)}
+        if record.get("dump"):  # a hang: every rank writes its stacks first (SIGCONT wakes a stopped one)
+            _signal_all(procs, codes, protocol.dump_signal())
+            _signal_all(procs, codes, signal.SIGCONT)
+            time.sleep(DUMP_WAIT_S)
+        _signal_all(procs, codes, signal.SIGTERM)
+        _signal_all(procs, codes, signal.SIGCONT)
+        deadline = time.time() + TERM_GRACE_S
+        for rank, p in procs.items():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if codes[rank] is None:
+                codes[rank] = p.returncode
+        protocol.atomic_write_json(
+            protocol.generation_stopped_path(self.ldir, self.generation, self.ctx.node_rank),
+            {"node": self.ctx.node_name, "codes": {str(r): c for r, c in codes.items()}, "time": time.time()},
+        )
+        first = record.get("rank") if record.get("rank") in codes else None
+        if record["action"] != "restart":
+            return ExitCode(record["exit_code"]), codes, first
+        # restart: only once every node has stopped its ranks, or the new ranks would wait for a peer that is gone
+        deadline = time.time() + STOP_BARRIER_S
+        missing = list(range(self.ctx.nnodes))
+        while time.time() < deadline:
+            if any(s in (signal.SIGTERM, signal.SIGINT) for s in self.flags.signals):
+                return ExitCode.CANCELLED, codes, None
+            missing = [n for n in range(self.ctx.nnodes) if not protocol.generation_stopped_path(self.ldir, self.generation, n).exists()]
+            if not missing:
+                return None
+            time.sleep(0.2)
+        names = [self.ctx.nodes[n] if n < len(self.ctx.nodes) else str(n) for n in missing]
+        print(f"orchestrate agent: node(s) {', '.join(names)} did not stop their ranks within {STOP_BARRIER_S:.0f} s; "
+              "giving up on restarting in place", file=sys.stderr)
+        protocol.atomic_write_json(self.ldir / f"unresponsive-{self.ctx.node_rank}.json", {"nodes": names, "time": time.time()})
+        return ExitCode.INFRA_ERROR, codes, first
 
 
 REQUEUE_WAIT_S = 60.0

@@ -36,7 +36,7 @@ from orchestrator.protocol import ExitCode
 
 from .checkpoint import Checkpointer, CheckpointSignal, Resume
 from .env import rank_context
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, enable_stack_dumps
 
 
 class Run:
@@ -50,6 +50,7 @@ class Run:
         self.ctx = rank_context(os.environ)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._hb = Heartbeat(self.task_dir, self.ctx, self.config["heartbeat"]["interval_s"])
+        enable_stack_dumps(self.task_dir, self.ctx)
         self._ckpt = Checkpointer(self.config, self.task_dir, self.rank, self.world_size)
         self._signal = CheckpointSignal(self.config["checkpoint"]["signal"])
         self._hb.beat(0, "init", force=True)

@@ -107,6 +107,7 @@ class RankContext:
     node_rank: int
     node_name: str
     launch: str
+    generation: int = 0  # how many times the agent restarted this launch's ranks in place
 
 
 def rank_context(env: Mapping[str, str]) -> RankContext:
@@ -118,4 +119,5 @@ def rank_context(env: Mapping[str, str]) -> RankContext:
         node_rank=int(env.get("NODE_RANK", "0")),
         node_name=env.get("ORCHESTRATE_NODE", socket.gethostname()),
         launch=env.get("ORCHESTRATE_LAUNCH", "manual.0"),
+        generation=int(env.get("ORCHESTRATE_GENERATION", "0")),
     )

@@ -44,6 +44,7 @@ class Heartbeat:
                 step=step,
                 phase=phase,
                 step_time_s=self.step_time_s,
+                generation=self.ctx.generation,
             ),
         )
 
@@ -51,7 +52,8 @@ class Heartbeat:
         if self.ctx.rank == 0:
             protocol.append_jsonl(
                 self.metrics,
-                {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "time": self.clock(), "launch": self.ctx.launch},
+                {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "time": self.clock(), "launch": self.ctx.launch,
+                 "generation": self.ctx.generation},
             )
 
     def event(self, kind: str, cause: str, **extra) -> None:
@@ -59,5 +61,19 @@ class Heartbeat:
         if self.ctx.rank == 0:
             protocol.append_jsonl(
                 protocol.events_path(self.task_dir),
-                {"event": kind, "cause": cause, "launch": self.ctx.launch, "time": self.clock(), **extra},
+                {"event": kind, "cause": cause, "launch": self.ctx.launch, "generation": self.ctx.generation,
+                 "time": self.clock(), **extra},
             )
+
+
+def enable_stack_dumps(task_dir: str | Path, ctx: RankContext) -> None:
+    """On protocol.dump_signal(), write every thread's stack to the launch's stacks folder.
+
+    faulthandler writes from the signal handler itself, so this works while the
+    training thread is blocked in a collective or in C code: the case that matters."""
+    import faulthandler
+
+    path = protocol.stacks_path(protocol.launches_dir(task_dir) / ctx.launch, ctx.generation, ctx.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a", encoding="utf-8")  # kept open for the life of the process
+    faulthandler.register(protocol.dump_signal(), file=fh, all_threads=True, chain=False)

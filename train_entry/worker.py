@@ -18,7 +18,7 @@ from orchestrator import protocol
 from orchestrator.protocol import ExitCode
 
 from .env import RankContext, rank_context
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, enable_stack_dumps
 
 _INFRA = re.compile(
     r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed? ?out|socket|store|rendezvous|peer",
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INFRA_ERROR
     ctx = rank_context(os.environ)
     hb = Heartbeat(task_dir, ctx, cfg["heartbeat"]["interval_s"])
+    enable_stack_dumps(task_dir, ctx)
     from .checkpoint import CheckpointSignal
 
     flag = CheckpointSignal(cfg["checkpoint"]["signal"])
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 "type": type(exc).__name__,
                 "message": str(exc)[:2000],
                 "traceback": traceback.format_exc()[-8000:],
+                "step": hb.step,  # the step being trained when it raised: tells a repeating error
+                "generation": ctx.generation,
                 "time": time.time(),
             },
         )
