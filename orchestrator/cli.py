@@ -43,8 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args(sp)
     sp.add_argument("--executor", choices=["local", "slurm"], help="default: slurm when sbatch is found, else local")
     sp.add_argument("--dry-run", action="store_true", help="print the plan; submit and record nothing")
-    sp.add_argument("--wait", action="store_true", help="wait until every task ends; exit 0 only if all completed")
+    sp.add_argument("--watch", "--wait", dest="watch", action="store_true",
+                    help="stay and watch (recover failures) until every task ends; exit 0 only if all completed")
+    sp.add_argument("--interval", type=float, default=2.0, help="seconds between watcher cycles with --watch (default 2)")
     sp.add_argument("--json", action="store_true", help="print the plan or the final status as JSON")
+
+    sp = sub.add_parser("watch", help="ingest heartbeats, poll the scheduler, detect hangs and recover failures")
+    sp.add_argument("experiment", nargs="?", help="id or name; default: every live experiment, until stopped")
+    sp.add_argument("--interval", type=float, default=5.0, help="seconds between cycles (default 5); one scheduler poll each")
+    sp.add_argument("--once", action="store_true", help="one cycle, then exit")
+    sp.add_argument("--sbatch", action="store_true", help="run this watcher as a small SLURM job instead (for login nodes that stop long processes)")
+    sp.add_argument("--time", default="7-00:00:00", help="time limit of the --sbatch job (default 7 days)")
 
     sp = sub.add_parser("status", help="tasks with state, attempts, step, loss, throughput, heartbeat age")
     sp.add_argument("experiment", nargs="?", help="id or name (a name means the newest experiment of that name)")
@@ -147,10 +156,10 @@ def cmd_submit(args) -> int:
     jobs = ", ".join(sorted(set(job_ids.values())))
     print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})", file=sys.stderr)
     print(f"run folder {plan.run_dir}", file=sys.stderr)
-    if not args.wait:
+    if not args.watch:
         print(plan.experiment_id)
         return 0
-    return _wait(ledger, plan.experiment_id, args.json)
+    return _wait(ledger, plan.experiment_id, args.json, args.interval)
 
 
 def _slurm_check(plan) -> str:
@@ -186,33 +195,34 @@ def _dry_run_text(plan) -> str:
     return text + "\n(dry run: nothing submitted, nothing recorded)"
 
 
-def _wait(ledger, exp_id: str, as_json: bool) -> int:
+def _wait(ledger, exp_id: str, as_json: bool, interval: float) -> int:
+    """Watch one experiment (this process is its watcher) until it ends; show progress."""
     from rich.console import Console, Group
     from rich.live import Live
 
+    from . import watcher
+
     console = Console(stderr=True)
-    seen = 0
-    try:
-        if console.is_terminal:
-            with Live(console=console, refresh_per_second=2) as live:
-                while True:
-                    exp = _refresh_one(ledger, exp_id)
-                    live.update(Group(*render.status_tables(render.status_document(ledger, [exp]))))
-                    if TaskState(exp["state"]).terminal:
-                        break
-                    time.sleep(1.0)
-        else:
-            while True:
-                exp = _refresh_one(ledger, exp_id)
-                events = ledger.events(exp_id)
-                for e in events[seen:]:
-                    print(render.event_line(e), file=sys.stderr, flush=True)
-                seen = len(events)
-                if TaskState(exp["state"]).terminal:
-                    break
-                time.sleep(1.0)
-    except KeyboardInterrupt:
-        print(f"\nstopped waiting; {exp_id} goes on. Follow it with `orchestrate status {exp_id}`, stop it with `orchestrate cancel {exp_id}`.", file=sys.stderr)
+    seen = [0]
+
+    def show_events(ids):
+        events = ledger.events(exp_id)
+        for e in events[seen[0]:]:
+            print(render.event_line(e), file=sys.stderr, flush=True)
+        seen[0] = len(events)
+
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=2) as live:
+            def show_table(ids):
+                live.update(Group(*render.status_tables(render.status_document(ledger, [ledger.experiment(exp_id)]))))
+
+            watcher.watch(ledger, [exp_id], interval, on_cycle=show_table)
+    else:
+        watcher.watch(ledger, [exp_id], interval, on_cycle=show_events)
+    exp = ledger.experiment(exp_id)
+    if not TaskState(exp["state"]).terminal:
+        print(f"\nstopped watching; {exp_id} goes on. Watch it again with `orchestrate watch {exp_id}`, "
+              f"stop it with `orchestrate cancel {exp_id}`.", file=sys.stderr)
         return 130
     doc = render.status_document(ledger, [exp])
     if as_json:
@@ -220,6 +230,56 @@ def _wait(ledger, exp_id: str, as_json: bool) -> int:
     else:
         _console().print(*render.status_tables(doc))
     return 0 if exp["state"] == TaskState.COMPLETED.value else 1
+
+
+def cmd_watch(args) -> int:
+    from . import watcher
+
+    if args.interval <= 0:
+        raise UserError("--interval must be positive")
+    home = service.home_dir(args.home)
+    if args.sbatch:
+        return _watch_as_job(args, home)
+    ledger = service.open_ledger(home)
+    if args.experiment:
+        exp = service.resolve_experiment(ledger, args.experiment)[0]
+        if args.once:
+            watcher.watch(ledger, [exp["id"]], args.interval, once=True)
+            return 0
+        return _wait(ledger, exp["id"], False, args.interval)
+    seen: dict[str, int] = {}
+
+    def show(ids):
+        for exp_id in ids:
+            events = ledger.events(exp_id)
+            for e in events[seen.get(exp_id, len(events) if not args.once else 0):]:
+                print(f"{exp_id} {render.event_line(e)}", flush=True)
+            seen[exp_id] = len(events)
+
+    watcher.watch(ledger, None, args.interval, once=args.once, on_cycle=show)
+    return 0
+
+
+def _watch_as_job(args, home) -> int:
+    """Submit `orchestrate watch` as a one-CPU SLURM job (the script holds only quoted argv)."""
+    import shlex
+
+    from . import commands
+
+    argv = [sys.executable, "-m", "orchestrator", "--home", str(home), "watch", "--interval", str(args.interval)]
+    if args.experiment:
+        argv.append(args.experiment)
+    logs = home / "watcher"
+    logs.mkdir(parents=True, exist_ok=True)
+    script = logs / "watch.sbatch"
+    protocol.atomic_write_text(script, "#!/bin/bash\nexec " + " ".join(shlex.quote(a) for a in argv) + "\n")
+    out = commands.run(
+        ["sbatch", "--parsable", "-J", "orchestrate-watch", "-N1", "-n1", "-c1", f"--time={args.time}",
+         "-o", str(logs / "watch-%j.log"), "--requeue", str(script)],
+        timeout=60,
+    )
+    print(f"watcher submitted as SLURM job {out.stdout.strip()}; log in {logs}")
+    return 0
 
 
 def _console():
@@ -318,4 +378,5 @@ COMMANDS = {
     "logs": cmd_logs,
     "events": cmd_events,
     "cancel": cmd_cancel,
+    "watch": cmd_watch,
 }

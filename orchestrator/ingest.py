@@ -32,6 +32,8 @@ class LaunchRecord:
     node_records: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     requeue: dict | None = None  # node 0's decision after a save on the checkpoint signal
+    generations: list[dict] = field(default_factory=list)  # end records of generations restarted in place
+    unresponsive: list[str] = field(default_factory=list)  # nodes that did not stop their ranks for a restart
 
     @property
     def ended(self) -> bool:
@@ -80,10 +82,15 @@ def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
         for f in sorted(d.glob("node-*.json")):
             if (r := protocol.read_json(f)) is not None:
                 rec.node_records.append(r)
+        rec.generations = protocol.generation_ends(d)
+        final = max((r.get("generation", 0) for r in rec.node_records), default=len(rec.generations))
         for f in sorted(d.glob("rank-*.error.json")):
-            if (e := protocol.read_json(f)) is not None:
+            # an error of a generation that was restarted is history, not this launch's end
+            if (e := protocol.read_json(f)) is not None and e.get("generation", 0) == final:
                 rec.errors.append(e)
         rec.requeue = protocol.read_json(d / "requeue.json")
+        for f in d.glob("unresponsive-*.json"):
+            rec.unresponsive += (protocol.read_json(f) or {}).get("nodes", [])
         out.append(rec)
     return sorted(out, key=lambda r: (r.started, r.restart_count))
 
@@ -108,6 +115,7 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
                     "step": rec.get("step"),
                     "phase": rec.get("phase"),
                     "step_time_s": rec.get("step_time_s"),
+                    "generation": rec.get("generation", 0),
                     "time": rec.get("time"),
                 }
             )
@@ -146,7 +154,37 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
             fields["heartbeat_at"] = max(r["time"] or 0 for r in hb_rows)
             fields["step"] = max(r["step"] or 0 for r in hb_rows)
             fields["nodes"] = ",".join(sorted({r["node"] for r in hb_rows if r["node"]}))
+            slowest = max((r["step_time_s"] or 0 for r in hb_rows), default=0)
+            if slowest > (ledger.task(exp_id, idx).get("step_time_max") or 0):
+                fields["step_time_max"] = slowest
         if metric_rows:
             last = max(metric_rows, key=lambda r: r["step"])
             fields.update(loss=last["loss"], throughput=last["throughput"])
         ledger.update_task(exp_id, idx, **fields)
+
+
+def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: dict, launch: LaunchRecord, task_dir: str) -> None:
+    """One event per generation of the attempt's ranks that ended in place (a restart, or
+    the decision to stop the launch), each recorded once."""
+    ldir = protocol.launches_dir(task_dir) / launch.key
+    key = str(ldir / "gen-*.end.json")
+    done = ledger.cursor(key)
+    ends = launch.generations
+    if len(ends) <= done:
+        return
+    with ledger.tx():
+        for rec in ends[done:]:
+            restart = rec.get("action") == "restart"
+            what = "restarting the ranks in place from the last committed checkpoint" if restart else "stopping the launch"
+            stacks = f"; stack traces in {ldir / 'stacks'}" if rec.get("dump") else ""
+            ledger.event(
+                exp_id,
+                "attempt.restarted" if restart else "attempt.restarts_stopped",
+                f"{rec.get('cause')}: {rec.get('decision')}, {what}{stacks}",
+                idx=idx,
+                attempt=attempt["number"],
+            )
+        ledger.db["attempts"].update(
+            (exp_id, idx, attempt["number"]), {"restarts": sum(1 for r in ends if r.get("action") == "restart")}
+        )
+        ledger.set_cursor(key, len(ends))

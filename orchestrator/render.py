@@ -23,12 +23,14 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
         for t in ledger.tasks(exp["id"]):
             mine = attempts.get(t["idx"], [])
             last = mine[-1] if mine else {}
+            ended = last.get("state") not in (None, "PENDING", "RUNNING", "COMPLETED")
             tasks.append(
                 {
                     "index": t["idx"],
                     "params": json.loads(t["params"] or "{}"),
                     "state": t["state"],
                     "attempts": len(mine),
+                    "restarts": sum(a.get("restarts") or 0 for a in mine),
                     "step": t["step"],
                     "loss": t["loss"],
                     "throughput": t["throughput"],
@@ -36,7 +38,8 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
                     "nodes": (last.get("nodes") or t["nodes"] or "").split(",") if (last.get("nodes") or t["nodes"]) else [],
                     "job_id": last.get("job_id"),
                     "checkpoint": t["checkpoint"],
-                    "reason": t["reason"],
+                    "reason": t["reason"] or (last.get("reason") if ended else None),
+                    "failure": last.get("failure") if ended else None,
                 }
             )
         out.append(
@@ -47,6 +50,7 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
                 "executor": exp["executor"],
                 "created_at": exp["created_at"],
                 "run_dir": exp["run_dir"],
+                "watcher": (ledger.lease(f"watch:{exp['id']}") or {}).get("owner"),
                 "tasks": tasks,
             }
         )
@@ -69,7 +73,9 @@ def status_tables(doc: dict) -> list[Table]:
             title=f"{exp['name']} [dim]{exp['id']}[/] [{_STYLE.get(exp['state'], 'white')}]{exp['state']}[/] ({exp['executor']})",
             title_justify="left",
         )
-        for col in ("task", "params", "state", "att", "step", "loss", "thru/s", "hb age", "nodes", "checkpoint", "reason"):
+        if exp["watcher"] is None and exp["state"] not in ("COMPLETED", "FAILED", "CANCELLED"):
+            t.caption = "no watcher: hangs and failures are recovered only while `orchestrate watch` runs"
+        for col in ("task", "params", "state", "att", "rst", "step", "loss", "thru/s", "hb age", "nodes", "checkpoint", "reason"):
             t.add_column(col, overflow="fold")
         for task in exp["tasks"]:
             params = ", ".join(f"{k}={v}" for k, v in task["params"].items()) or "-"
@@ -78,6 +84,7 @@ def status_tables(doc: dict) -> list[Table]:
                 params,
                 f"[{_STYLE.get(task['state'], 'white')}]{task['state']}[/]",
                 str(task["attempts"]),
+                str(task["restarts"]),
                 _fmt(task["step"]),
                 _fmt(task["loss"], ".4f"),
                 _fmt(task["throughput"], ",.0f"),

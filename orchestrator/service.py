@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from . import ingest, protocol, reconcile
 from .errors import SchedulerError, UserError
 from .ledger import Ledger
 from .plan import Plan, build_plan
-from .scheduler import JobRef, Scheduler, default_executor, get_scheduler
+from .scheduler import JobRef, Observation, Scheduler, default_executor, get_scheduler
 from .spec import dump_resolved, load_spec
+from .protocol import ExitCode
 from .states import AttemptState, TaskState
 from .sweep import expand
 
@@ -124,14 +126,19 @@ def _live(ledger: Ledger, experiments: list[dict]) -> list[_Live]:
     return out
 
 
-def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Scheduler] | None = None) -> None:
-    """One watcher cycle over ``experiments``: ingest files, poll once per executor, record."""
+def refresh(
+    ledger: Ledger, experiments: list[dict], schedulers: dict[str, Scheduler] | None = None, errors: list[str] | None = None
+) -> dict[str, Observation] | None:
+    """Ingest files, poll once per executor, record what changed; returns the scheduler's
+    observations (None when a scheduler could not be asked: nothing may be inferred
+    from a job's absence then)."""
     live = _live(ledger, experiments)
     schedulers = schedulers or {}
     by_executor: dict[str, list[_Live]] = {}
     for item in live:
         by_executor.setdefault(item.exp["executor"], []).append(item)
-    observations = {}
+    observations: dict[str, Observation] | None = {}
+    answered = True
     for executor, items in by_executor.items():
         sched = schedulers.get(executor) or get_scheduler(executor)
         refs = [
@@ -143,6 +150,9 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
             observations.update(sched.poll(refs))
         except SchedulerError as exc:  # the files still tell progress; the next refresh asks again
             log.warning("could not ask the %s scheduler about %d job(s): %s", executor, len(refs), exc)
+            answered = False
+            if errors is not None:
+                errors.append(f"{executor}: {exc}")
     for item in live:
         exp_id, idx = item.exp["id"], item.task["idx"]
         ingest.ingest_progress(ledger, exp_id, idx, item.task["task_dir"])
@@ -155,10 +165,16 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
         # a requeued job runs again under the same id: each launch after the first is an attempt of its own
         for launch in _newer_launches(launches, attempt):
             own = next((l for l in launches if l.key == attempt["launch"]), None)
-            if own is not None and own.ended:
+            if own is not None:
+                ingest.ingest_restarts(ledger, exp_id, idx, attempt, own, item.task["task_dir"])
+            if AttemptState(attempt["state"]).ended:
+                pass  # decided already (from SLURM's record of the run)
+            elif own is not None and own.ended and own.exit_code != ExitCode.CANCELLED:
                 _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, own, None))
-            else:  # SLURM requeued the job before this launch could record its end (node failure, say)
-                cause = f"{job_id} was requeued by the scheduler before launch {attempt['launch']} recorded an end"
+            else:
+                # SLURM requeued the job before this launch could record its end, or after its
+                # ranks were stopped (node failure, say): not a cancellation, since it runs again
+                cause = f"{job_id} was requeued by the scheduler after launch {attempt['launch']}"
                 ledger.update_attempt(exp_id, idx, attempt["number"], cause, state=AttemptState.REQUEUED.value, reason=cause)
             cause = f"{job_id} started again (restart {launch.restart_count})"
             number = ledger.add_attempt(exp_id, idx, job_id, cause)
@@ -166,9 +182,30 @@ def refresh(ledger: Ledger, experiments: list[dict], schedulers: dict[str, Sched
             _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launch, None))
             attempt = ledger.attempt(exp_id, idx, number)
         obs = observations.get(job_id)
-        if launches and attempt["launch"] == launches[-1].key and obs is not None and obs.state == AttemptState.PENDING:
-            obs = None  # the job is pending again after this launch: requeued, the launch record tells the rest
+        current = launches[-1] if launches and attempt["launch"] == launches[-1].key else None
+        if current is not None and obs is not None and obs.state == AttemptState.PENDING:
+            # pending again after this launch started: SLURM requeued the job. A launch that
+            # recorded its end tells the rest, unless it only says the ranks were stopped;
+            # one that could not record it (its node failed) ended as SLURM's record says.
+            obs = None
+            if observations[job_id].ended_runs and (not current.ended or current.exit_code == ExitCode.CANCELLED):
+                state, reason, nodes = observations[job_id].ended_runs[-1]
+                obs = Observation(job_id, state, None, f"{reason}; SLURM requeued the job", nodes)
+        if current is not None:
+            ingest.ingest_restarts(ledger, exp_id, idx, attempt, current, item.task["task_dir"])
+        if AttemptState(attempt["state"]).ended and (current is None or not current.ended):
+            continue  # already decided; nothing newer to say
+        if (
+            current is not None and current.ended and current.exit_code == ExitCode.CANCELLED
+            and item.exp["executor"] != "local" and not reconcile.stopped_by_scheduler(current, obs)
+            and not (obs is not None and obs.state.ended) and time.time() - (current.ended_at or 0) < SCHEDULER_VERDICT_WAIT_S
+        ):
+            continue  # stopped by a SIGTERM: scancel, or SLURM's node failure, preemption, time limit? SLURM's record tells
         _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launches[-1] if launches else None, obs))
+    return observations if answered else None
+
+
+SCHEDULER_VERDICT_WAIT_S = 600.0  # after that, a launch stopped by SIGTERM with no word from SLURM counts as cancelled
 
 
 def _newer_launches(launches: list, attempt: dict) -> list:

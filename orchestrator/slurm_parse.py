@@ -215,13 +215,14 @@ def observe(
             live[f"{q.id.job}_{t}" if t is not None else q.id.job] = q
     out = {}
     for key in keys:
+        ended = tuple((r.state, _reason(r, user_of), ",".join(r.nodes)) for r in runs.get(key, []) if r.state.ended)
         if (q := live.get(key)) is not None and not (q.state.ended and key in runs):
             reason = q.reason if q.state == AttemptState.PENDING and q.reason not in ("None", "") else ""
-            out[key] = Observation(key, q.state, None, reason, ",".join(q.nodes))
+            out[key] = Observation(key, q.state, None, reason, ",".join(q.nodes), ended)
         elif key in runs:
             r = runs[key][-1]
             code = r.exit_code if r.state.ended else None
-            out[key] = Observation(key, r.state, code, _reason(r, user_of), ",".join(r.nodes))
+            out[key] = Observation(key, r.state, code, _reason(r, user_of), ",".join(r.nodes), ended)
         elif "_" in key and key.split("_")[0] in arrays:
             # SLURM keeps no record of an array task cancelled while pending: it just
             # drops out of the array's pending range.

@@ -362,15 +362,36 @@ class Checkpoint(Strict):
 
 
 class Retry(Strict):
-    max_restarts: int = Field(3, ge=0, description="Relaunches of a task after infrastructure failures.")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="In-place restarts of a task's ranks within one allocation after a crash or hang on healthy nodes "
+        "(each resumes from the last committed checkpoint; an error repeating at the same step is not restarted).",
+    )
+    max_recoveries: int = Field(
+        3,
+        ge=0,
+        description="Requeues (or new submissions) of a task after infrastructure failures: node failure, lost "
+        "allocation, in-place restarts used up. User-code errors and cancellations are never requeued.",
+    )
     max_requeues: int = Field(
         100, ge=0, description="Requeues after preemption or time limit (each resumes from the last checkpoint)."
     )
+    backoff_s: float = Field(30.0, ge=0, description="Delay before a recovered task may start again; doubles with each recovery, with jitter.")
+    backoff_max_s: float = Field(600.0, ge=0, description="Upper bound of that delay.")
+    exclude_failed_nodes: bool = Field(True, description="Keep a recovered task off the nodes that failed under it.")
 
 
 class Heartbeat(Strict):
     interval_s: float = Field(10.0, gt=0, description="Seconds between heartbeats of each rank.")
-    timeout_s: float | None = Field(None, gt=0, description="A rank silent this long is hung; null: learned from step times.")
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="A training rank silent this long is hung; null: learned from step times "
+        "(10 x the slowest step, at least 60 s).",
+    )
+    startup_timeout_s: float = Field(900.0, gt=0, description="Allowed silence before the first step (loading, rendezvous).")
+    save_timeout_s: float = Field(1800.0, gt=0, description="Allowed silence while a checkpoint is written.")
 
 
 class Logging(Strict):

@@ -64,6 +64,9 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+# sacct only from this session on: a cluster restarted clean reuses job ids its database still has
+SESSION_START = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 60))
+
 SLURM_BASE = Path(os.environ.get("SLURM_LOCAL_DIR", REPO / ".slurm-local"))
 
 

@@ -82,7 +82,16 @@ def test_decide():
     d = decide(a, launch([5]), None)
     assert d.task_state == TaskState.CANCELLED
     d = decide(a, launch(), Observation("5_0", AttemptState.LOST, reason="driver gone"))
-    assert d.task_state == TaskState.FAILED and "driver gone" in d.cause
+    assert d.task_state == TaskState.RECOVERING and "driver gone" in d.cause and d.attempt["failure"] == "lost"
+    d = decide(a, launch([4]), None)  # in-place restarts used up: the infrastructure's failure, requeued
+    assert d.task_state == TaskState.RECOVERING and d.attempt["failure"] == "infrastructure"
+    d = decide(a, launch([6]), None)
+    assert d.task_state == TaskState.FAILED and d.attempt["failure"] == "oom"
+    for state, failure in ((AttemptState.NODE_FAIL, "node_failure"), (AttemptState.TIMEOUT, "time_limit"), (AttemptState.PREEMPTED, "preemption")):
+        d = decide(a, launch(), Observation("5_0", state))
+        assert d.task_state == TaskState.RECOVERING and d.attempt["failure"] == failure
+    d = decide(a, launch(), Observation("5_0", AttemptState.CANCELLED, reason="cancelled by me"))
+    assert d.task_state == TaskState.CANCELLED and d.attempt["failure"] == "cancelled"
     d = decide(a, None, Observation("5_0", AttemptState.CANCELLED))
     assert d.task_state == TaskState.CANCELLED
 

@@ -118,3 +118,39 @@ def test_dry_run_submits_and_records_nothing(home):
     out = cli("submit", "configs/sweep.yaml", "--executor", "local", "--dry-run", home=home)
     assert out.returncode == 0 and "tasks       4, at most 2 at once" in out.stdout and "dry run" in out.stdout
     assert not (home / "ledger.db").exists() and not (home / "runs").exists()
+
+
+def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_and_resumes(home, tmp_path):
+    """The local executor recovers too: no queue to requeue into, so a new driver runs the
+    task again from its last checkpoint, and it ends with the undisturbed loss."""
+    text = SMALL.format(steps=1200).replace("heartbeat: {interval_s: 1}", "heartbeat: {interval_s: 0.5}")
+    text += "checkpoint: {every_steps: 100}\nretry: {max_restarts: 0, backoff_s: 1}\nlogging: {every_steps: 1}\n"
+    spec = write(tmp_path / "s.yaml", text.replace("logging: {every_steps: 10}\n", ""))
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from orchestrator import protocol
+
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "submit", str(spec), "--executor", "local", "--watch", "--json", "--interval", "1"],
+        cwd=REPO, env={**os.environ, "ORCHESTRATE_HOME": str(home)}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    deadline = time.time() + 120
+    while not list(home.glob("runs/*/tasks/0/metrics.jsonl")) or max(
+        (m["step"] for m in protocol.read_jsonl_from(next(home.glob("runs/*/tasks/0/metrics.jsonl")), 0)[0]), default=0
+    ) < 250:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    tdir = next(home.glob("runs/*/tasks/0"))
+    os.kill(protocol.read_json(protocol.heartbeat_path(tdir, 1))["pid"], 9)
+    out, _ = watch.communicate(timeout=300)
+    assert watch.returncode == 0, out
+    exp = json.loads(out)["experiments"][0]
+    ref = cli("submit", str(spec), "--executor", "local", "--wait", "--json", home=home)
+    assert exp["tasks"][0]["loss"] == json.loads(ref.stdout)["experiments"][0]["tasks"][0]["loss"]
+    ledger = Ledger.open(home / "ledger.db")
+    first, second = ledger.attempts(exp["id"], 0)
+    assert first["failure"] == "infrastructure" and second["state"] == "COMPLETED" and first["job_id"] != second["job_id"]
+    [action] = ledger.actions(exp["id"], 0)
+    assert action["kind"] == "resubmit" and action["detail"]["new_job_id"] == second["job_id"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, slurm_run, status_json, submit, wait_experiment, write
+from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import commands, service
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler.slurm import render_batch_script
@@ -22,7 +22,7 @@ def submit_wait(home, *args, timeout=300):
 
 
 def sacct_states(job: str) -> dict:
-    out = slurm_run("sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", job)
+    out = slurm_run("sacct", "-S", SESSION_START, "-X", "-n", "-P", "-o", "JobID,State", "-j", job)
     return dict(line.split("|") for line in out.splitlines() if line)
 
 
@@ -118,3 +118,21 @@ def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, 
     assert again.returncode == 0 and "nothing to cancel" in again.stdout
     events = cli("events", exp_id, home=home).stdout
     assert "task.cancel_requested" in events and "RUNNING -> CANCELLED" in events
+
+
+def test_the_watcher_runs_as_a_slurm_job_and_ends_with_its_experiment(slurm, home, tmp_path):
+    exp_id = submit(home, "configs/quickstart.yaml", "--executor", "slurm", "--set", "steps=60", "--set", "heartbeat.interval_s=1")
+    out = cli("watch", exp_id, "--sbatch", "--interval", "1", "--time", "00:05:00", home=home)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.split("SLURM job ")[1].split(";")[0]
+    exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 240)
+    assert exp["state"] == "COMPLETED", exp
+    deadline = time.time() + 60
+    while slurm_run("squeue", "-h", "-j", job).strip():  # it leaves once its experiment ended
+        assert time.time() < deadline, "the watcher job did not end with its experiment"
+        time.sleep(1)
+    ledger = Ledger.open(home / "ledger.db")
+    leases = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "watcher.lease"]
+    assert leases, "the watcher job never took the experiment's lease"
+    log = (home / "watcher" / f"watch-{job}.log").read_text()
+    assert "RUNNING -> COMPLETED" in log, log

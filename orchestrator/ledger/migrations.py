@@ -114,9 +114,35 @@ def _m002_task_progress(db: sqlite_utils.Database) -> None:
     db["tasks"].create_index(["state"])
 
 
+def _m003_recovery(db: sqlite_utils.Database) -> None:
+    db["attempts"].add_column("failure", str)  # preemption, time_limit, node_failure, oom, hang, user_error, ...
+    db["attempts"].add_column("restarts", int)  # in-place restarts of its ranks
+    db["attempts"].add_column("exclude", str)  # nodes it was kept off
+    db["heartbeats"].add_column("generation", int)
+    db["tasks"].add_column("step_time_max", float)  # slowest step seen: the learned hang timeout
+    # a watcher acts on an experiment only while it holds its lease
+    db["leases"].create({"name": str, "owner": str, "acquired_at": float, "expires_at": float}, pk="name")
+    # recovery actions, written before they are taken: a watcher killed halfway finds
+    # them and finishes them, instead of acting twice
+    db["actions"].create(
+        {
+            "experiment_id": str,
+            "idx": int,
+            "attempt": int,  # the failed attempt this recovers from: one action per attempt
+            "kind": str,  # requeue, release, resubmit, fail
+            "state": str,  # PLANNED, DONE
+            "detail": str,  # JSON: exclude, delay, job name, new job id
+            "created_at": float,
+            "done_at": float,
+        },
+        pk=("experiment_id", "idx", "attempt"),
+    )
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
+    ("003_recovery", _m003_recovery),
 ]
 
 

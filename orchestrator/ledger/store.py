@@ -229,6 +229,7 @@ class Ledger:
                     "number": number,
                     "job_id": job_id,
                     "state": AttemptState.PENDING.value,
+                    "restarts": 0,
                     "submitted_at": self.clock(),
                 }
             )
@@ -282,6 +283,75 @@ class Ledger:
 
     def checkpoints(self, exp_id: str, idx: int) -> list[dict]:
         return list(self.db["checkpoints"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
+
+    # ------------------------------------------------------------ leases and recovery actions
+
+    def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take or renew the lease ``name`` for ``owner``; False while another owner's is live."""
+        now = self.clock()
+        with self.tx():
+            row = self.db.execute("select owner, expires_at from leases where name = ?", [name]).fetchone()
+            if row and row[0] != owner and row[1] > now:
+                return False
+            acquired = now if not row or row[0] != owner else None
+            fields = {"name": name, "owner": owner, "expires_at": now + ttl_s}
+            if acquired is not None:
+                fields["acquired_at"] = acquired
+            self.db["leases"].upsert(fields, pk="name")
+            return True
+
+    def release_lease(self, name: str, owner: str) -> None:
+        with self.tx():
+            self.db.execute("delete from leases where name = ? and owner = ?", [name, owner])
+
+    def release_leases(self, owner: str) -> None:
+        with self.tx():
+            self.db.execute("delete from leases where owner = ?", [owner])
+
+    def lease(self, name: str) -> dict | None:
+        rows = list(self.db["leases"].rows_where("name = ? and expires_at > ?", [name, self.clock()]))
+        return rows[0] if rows else None
+
+    def plan_action(self, exp_id: str, idx: int, attempt: int, kind: str, detail: dict, cause: str) -> bool:
+        """Record a recovery action before taking it (one per failed attempt); False if one exists."""
+        with self.tx():
+            if self.db["actions"].count_where("experiment_id = ? and idx = ? and attempt = ?", [exp_id, idx, attempt]):
+                return False
+            self.db["actions"].insert(
+                {
+                    "experiment_id": exp_id,
+                    "idx": idx,
+                    "attempt": attempt,
+                    "kind": kind,
+                    "state": "PLANNED",
+                    "detail": json.dumps(detail, sort_keys=True),
+                    "created_at": self.clock(),
+                }
+            )
+            self.event(exp_id, f"recovery.{kind}", cause, idx=idx, attempt=attempt)
+            return True
+
+    def finish_action(self, exp_id: str, idx: int, attempt: int, detail: dict, cause: str) -> None:
+        with self.tx():
+            row = self.db["actions"].get((exp_id, idx, attempt))
+            merged = {**json.loads(row["detail"] or "{}"), **detail}
+            self.db["actions"].update(
+                (exp_id, idx, attempt), {"state": "DONE", "detail": json.dumps(merged, sort_keys=True), "done_at": self.clock()}
+            )
+            self.event(exp_id, f"recovery.{row['kind']}.done", cause, idx=idx, attempt=attempt)
+
+    def actions(self, exp_id: str, idx: int | None = None, state: str | None = None) -> list[dict]:
+        where, args = ["experiment_id = ?"], [exp_id]
+        if idx is not None:
+            where.append("idx = ?")
+            args.append(idx)
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        rows = list(self.db["actions"].rows_where(" and ".join(where), args, order_by="idx, attempt"))
+        for r in rows:
+            r["detail"] = json.loads(r["detail"] or "{}")
+        return rows
 
     def events(self, exp_id: str) -> list[dict]:
         return list(self.db["events"].rows_where("experiment_id = ?", [exp_id], order_by="id"))

@@ -27,6 +27,9 @@ class Observation:
     exit_code: int | None = None
     reason: str = ""
     nodes: str = ""
+    # (state, reason, nodes) of the runs that ended, oldest first: a job SLURM requeued
+    # by itself (node failure, preemption) is pending again, and this tells why
+    ended_runs: tuple[tuple[AttemptState, str, str], ...] = ()
 
 
 class Scheduler(Protocol):

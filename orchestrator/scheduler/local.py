@@ -34,8 +34,9 @@ def state_path(run_dir: Path, index: int) -> Path:
     return Path(run_dir) / "local" / f"task-{index}.json"
 
 
-def driver_path(run_dir: Path) -> Path:
-    return Path(run_dir) / "local" / "driver.json"
+def driver_path(run_dir: Path, job: str) -> Path:
+    """The record of one driver (``job``: its submitit job id); a resubmitted task gets its own driver."""
+    return Path(run_dir) / "local" / f"driver-{job}.json"
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -96,18 +97,21 @@ class LocalScheduler:
         out: dict[str, Observation] = {}
         drivers: dict[Path, bool] = {}
         for ref in refs:
-            if ref.run_dir not in drivers:
-                drivers[ref.run_dir] = alive(protocol.read_json(driver_path(ref.run_dir)))
+            dpath = driver_path(ref.run_dir, ref.job_id.rsplit("_", 1)[0])
+            if dpath not in drivers:
+                drivers[dpath] = alive(protocol.read_json(dpath))
             rec = protocol.read_json(state_path(ref.run_dir, ref.index)) or {}
+            if rec.get("job_id", ref.job_id) != ref.job_id:
+                rec = {"state": "PENDING"}  # an older driver's record: this job has not started yet
             state = rec.get("state")
             if state == "ENDED":
                 out[ref.job_id] = Observation(ref.job_id, attempt_state_for_exit(rec.get("exit_code")), rec.get("exit_code"))
             elif state == "CANCELLED":
                 out[ref.job_id] = Observation(ref.job_id, AttemptState.CANCELLED, None, "cancelled before it started")
-            elif drivers[ref.run_dir]:
+            elif drivers[dpath]:
                 st = AttemptState.RUNNING if state == "RUNNING" else AttemptState.PENDING
                 out[ref.job_id] = Observation(ref.job_id, st)
-            elif driver_path(ref.run_dir).exists():
+            elif dpath.exists():
                 out[ref.job_id] = Observation(ref.job_id, AttemptState.LOST, None, "the local driver process is gone")
             # no driver record yet: just submitted, the driver has not written it
         return out
@@ -117,21 +121,51 @@ class LocalScheduler:
             flag = protocol.cancel_flag_path(protocol.task_dir(ref.run_dir, ref.index))
             protocol.atomic_write_text(flag, f"{time.time()}\n")
 
+    # ------------------------------------------------------------ recovery
+
+    def requeue(self, job_id: str) -> bool:
+        return False  # a driver that ended is gone: recovery is a new submission
+
+    def release(self, job_id: str, exclude: list[str], delay_s: float) -> None:
+        pass
+
+    def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
+        import submitit
+
+        executor = submitit.LocalExecutor(folder=str(Path(run_dir) / "submitit"))
+        executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
+        protocol.atomic_write_json(state_path(run_dir, index), {"state": "PENDING", "time": time.time()})
+        with _detached():
+            job = executor.submit(run_driver, str(run_dir), [index], None, tag, delay_s)
+        return f"{job.job_id}_{index}"
+
+    def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
+        for f in (Path(run_dir) / "local").glob("driver-*.json"):
+            rec = protocol.read_json(f) or {}
+            if rec.get("tag") == tag:
+                return f"{rec['job_id']}_{rec['indices'][0]}"
+        return None
+
+    def node_states(self) -> dict[str, str]:
+        return {}
+
 
 
 
 # ---------------------------------------------------------------- the driver (runs detached)
 
 
-def run_driver(run_dir: str, indices: list[int], max_parallel: int | None) -> dict:
+def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: str | None = None, delay_s: float = 0) -> dict:
     """Start the tasks' node agents, at most ``max_parallel`` at once; runs under submitit."""
     run = Path(run_dir)
     with contextlib.suppress(OSError):
         os.setsid()  # our own session: the terminal's signals never reach the agents
     base_id = os.environ.get("SUBMITIT_LOCAL_JOB_ID", str(os.getpid()))
     protocol.atomic_write_json(
-        driver_path(run), {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()), "job_id": base_id}
+        driver_path(run, base_id),
+        {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()), "job_id": base_id, "indices": indices, "tag": tag},
     )
+    time.sleep(delay_s)  # the backoff of a resubmission
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     limit = max_parallel or len(indices)
@@ -150,12 +184,13 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None) -> di
                     continue
                 codes[i] = proc.returncode
                 protocol.atomic_write_json(
-                    state_path(run, i), {"state": "ENDED", "exit_code": proc.returncode, "time": time.time()}
+                    state_path(run, i),
+                    {"state": "ENDED", "exit_code": proc.returncode, "job_id": f"{base_id}_{i}", "time": time.time()},
                 )
         for i in list(pending):
             if stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists():
                 pending.remove(i)
-                protocol.atomic_write_json(state_path(run, i), {"state": "CANCELLED", "time": time.time()})
+                protocol.atomic_write_json(state_path(run, i), {"state": "CANCELLED", "job_id": f"{base_id}_{i}", "time": time.time()})
         for i, proc in running.items():
             if i not in signalled and (stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists()):
                 signalled.add(i)
@@ -170,7 +205,7 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None) -> di
             )
             protocol.atomic_write_json(
                 state_path(run, i),
-                {"state": "RUNNING", "pid": running[i].pid, "restart_count": restarts[i], "time": time.time()},
+                {"state": "RUNNING", "pid": running[i].pid, "restart_count": restarts[i], "job_id": f"{base_id}_{i}", "time": time.time()},
             )
         time.sleep(0.2)
     return {"exit_codes": codes}

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import commands, fragments
+from .. import commands, fragments, protocol
 from ..errors import SchedulerError, UserError
 from ..plan import Plan
 from ..slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
@@ -187,7 +187,9 @@ class SlurmScheduler:
             executor = submitit.SlurmExecutor(folder=submitit_folder(plan))
         except RuntimeError:
             raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
-        executor.update_parameters(**batch_parameters(plan))
+        params = batch_parameters(plan)
+        executor.update_parameters(**params)
+        protocol.atomic_write_json(params_path(plan.run_dir), params)  # what a resubmission of one task reuses
         tasks = sorted(plan.tasks, key=lambda t: t.index)
         try:
             jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in tasks])
@@ -210,6 +212,70 @@ class SlurmScheduler:
     def cancel(self, refs: list[JobRef]) -> None:
         if refs:
             commands.query(["scancel", *sorted({r.job_id for r in refs})], timeout=QUERY_TIMEOUT_S)
+
+    # ------------------------------------------------------------ recovery
+
+    def requeue(self, job_id: str) -> bool:
+        """Put an ended (or running) job back in the queue under its id; False when SLURM
+        no longer holds its record (then only a new submission will do)."""
+        try:
+            commands.run(["scontrol", "requeue", job_id], timeout=QUERY_TIMEOUT_S)
+        except commands.CommandError as exc:
+            said = exc.stderr + exc.stdout
+            if "Invalid job id" in said:
+                return False
+            if "pending" in said.lower():  # already back in the queue: done before we asked
+                return True
+            raise
+        return True
+
+    def release(self, job_id: str, exclude: list[str], delay_s: float) -> None:
+        """A requeued job: keep it off failed nodes, and hold it ``delay_s`` (the backoff)."""
+        argv = ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{max(0, int(delay_s))}"]
+        if exclude:
+            argv.append(f"ExcNodeList={','.join(sorted(exclude))}")
+        commands.run(argv, timeout=QUERY_TIMEOUT_S)
+
+    def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
+        """One task as a new job, with the experiment's own request; returns its id."""
+        import submitit
+
+        from train_entry.agent import submitit_entry
+
+        params = protocol.read_json(params_path(run_dir))
+        if params is None:
+            raise SchedulerError(f"cannot resubmit: {params_path(run_dir)} is missing")
+        params.pop("array_parallelism", None)
+        params["job_name"] = f"{params['job_name']}-{tag}"
+        excluded = sorted({*filter(None, str(params.get("exclude") or "").split(",")), *exclude})
+        if excluded:
+            params["exclude"] = ",".join(excluded)
+        params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
+        executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit")
+        executor.update_parameters(**params)
+        return executor.submit(submitit_entry, str(protocol.task_dir(run_dir, index))).job_id
+
+    def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
+        """The job a resubmission with ``tag`` made, if SLURM has it (for a watcher that
+        died between submitting and recording)."""
+        params = protocol.read_json(params_path(run_dir)) or {}
+        name = f"{params.get('job_name', '')}-{tag}"
+        out = commands.query(["squeue", "-h", "--me", "-n", name, "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split()
+        if not out:
+            start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
+            out = commands.query(
+                ["sacct", "-X", "-n", "-P", "-S", start, "--name", name, "-o", "JobID"], timeout=QUERY_TIMEOUT_S
+            ).stdout.split()
+        return out[0] if out else None
+
+    def node_states(self) -> dict[str, str]:
+        """Every node's state (``sinfo``): failed nodes are excluded from recovered tasks."""
+        out = commands.query(["sinfo", "-h", "-N", "-o", "%N|%T"], timeout=QUERY_TIMEOUT_S).stdout
+        return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+
+
+def params_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "submitit" / "sbatch-parameters.json"
 
 
 def since_args(refs: list[JobRef], margin_s: float = 3600) -> list[str]:

@@ -1,0 +1,260 @@
+"""The watcher: the one process that acts on what it sees.
+
+Each cycle it refreshes the ledger (ingest the files compute nodes wrote, one batched
+scheduler poll), then, for each experiment whose lease it holds, finds hung ranks and
+recovers failed attempts. Read commands refresh too, but only the lease holder acts,
+so several watchers (or a watcher and `status`) never requeue the same task twice.
+
+Crash safety: a recovery is written down (``actions``, PLANNED) before it is taken and
+marked DONE after. A watcher killed in between finds the PLANNED row when it (or
+another) comes back, checks with the scheduler whether the action already happened,
+and only then finishes it: one failed attempt, one recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import ingest, protocol, recovery, service
+from .errors import SchedulerError
+from .ledger import Ledger
+from .scheduler import get_scheduler
+from .states import AttemptState, TaskState
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "ORCHESTRATE_FAULT_INJECT"  # tests: die at a named point, as a killed watcher would
+
+
+def _fault_point(name: str) -> None:
+    if os.environ.get(FAULT_ENV) == name:
+        os._exit(70)
+
+
+def lease_name(exp_id: str) -> str:
+    return f"watch:{exp_id}"
+
+
+class Watcher:
+    def __init__(self, ledger: Ledger, interval_s: float = 5.0, schedulers: dict | None = None, clock: Callable[[], float] = time.time):
+        self.ledger = ledger
+        self.interval_s = interval_s
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.schedulers = dict(schedulers or {})
+        self.clock = clock
+        self._refused: set[str] = set()
+        self._unreachable: set[str] = set()  # experiments told that the scheduler does not answer
+
+    def scheduler(self, name: str):
+        if name not in self.schedulers:
+            self.schedulers[name] = get_scheduler(name)
+        return self.schedulers[name]
+
+    # ------------------------------------------------------------ one cycle
+
+    def cycle(self, exp_ids: list[str]) -> None:
+        exps = [e for e in (self.ledger.experiment(i) for i in exp_ids) if e]
+        errors: list[str] = []
+        observations = service.refresh(self.ledger, exps, self.schedulers, errors)
+        for exp in exps:
+            exp = self.ledger.experiment(exp["id"])
+            if TaskState(exp["state"]).terminal:
+                self.ledger.release_lease(lease_name(exp["id"]), self.owner)
+                continue
+            if not self._lease(exp):
+                continue
+            if observations is None and exp["id"] not in self._unreachable:
+                self._unreachable.add(exp["id"])
+                self.ledger.event(exp["id"], "scheduler.unreachable", f"{'; '.join(errors)[:400]}: no recovery is decided until it answers")
+            elif observations is not None and exp["id"] in self._unreachable:
+                self._unreachable.discard(exp["id"])
+                self.ledger.event(exp["id"], "scheduler.reachable", "the scheduler answers again; catching up")
+            node_states: dict | None = None
+            for task in self.ledger.tasks(exp["id"]):
+                if TaskState(task["state"]).terminal:
+                    continue
+                attempts = self.ledger.attempts(exp["id"], task["idx"])
+                if not attempts:
+                    continue
+                cfg = protocol.read_json(protocol.task_config_path(task["task_dir"])) or {}
+                attempt = attempts[-1]
+                try:
+                    self._finish_planned(exp, task, attempts, observations)
+                    self._check_hang(exp, task, attempt, cfg)
+                    if task["state"] == TaskState.RECOVERING.value and observations is not None:
+                        if node_states is None:
+                            node_states = self._node_states(exp["executor"])
+                        self._recover(exp, task, attempts, cfg, observations, node_states)
+                except SchedulerError as exc:  # transient: never a reason to act; the next cycle tries again
+                    log.warning("%s task %s: the scheduler did not answer (%s); will retry", exp["id"], task["idx"], exc)
+
+    def _lease(self, exp: dict) -> bool:
+        name = lease_name(exp["id"])
+        before = self.ledger.lease(name)
+        if not self.ledger.acquire_lease(name, self.owner, max(30.0, 4 * self.interval_s)):
+            if exp["id"] not in self._refused:
+                self._refused.add(exp["id"])
+                log.warning("%s is watched by %s; this watcher only records", exp["id"], before["owner"] if before else "another watcher")
+            return False
+        if not before or before["owner"] != self.owner:
+            self.ledger.event(exp["id"], "watcher.lease", f"watcher {self.owner} acts for this experiment")
+        return True
+
+    def _node_states(self, executor: str) -> dict[str, str]:
+        try:
+            return self.scheduler(executor).node_states()
+        except SchedulerError as exc:
+            log.warning("cannot read node states: %s", exc)
+            return {}
+
+    # ------------------------------------------------------------ hangs
+
+    def _check_hang(self, exp: dict, task: dict, attempt: dict, cfg: dict) -> None:
+        if attempt["state"] != AttemptState.RUNNING.value or not attempt["launch"]:
+            return
+        hb_cfg = cfg.get("heartbeat", {})
+        beats = self.ledger.heartbeats(exp["id"], task["idx"])
+        hang = recovery.find_hang(beats, attempt["launch"], hb_cfg, task.get("step_time_max"), self.clock())
+        if hang is None:
+            return
+        ldir = protocol.launches_dir(task["task_dir"]) / attempt["launch"]
+        if protocol.generation_end_path(ldir, hang.generation).exists():
+            return  # already being restarted (or stopped) by the agents
+        history = protocol.generation_ends(ldir)[: hang.generation]
+        record = protocol.generation_end(
+            "hang",
+            hang.cause,
+            hang.generation,
+            history,
+            cfg.get("retry", {}).get("max_restarts", 3),
+            hang.step,
+            dump=True,
+            rank=hang.rank,
+            node=hang.node,
+            by=f"watcher {self.owner}",
+        )
+        if protocol.create_exclusive_json(protocol.generation_end_path(ldir, hang.generation), record):
+            what = "the agents dump every rank's stacks, then restart in place" if record["action"] == "restart" else "the agents dump every rank's stacks, then stop the launch"
+            self.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
+
+    # ------------------------------------------------------------ failed attempts
+
+    def _recover(self, exp, task, attempts, cfg, observations, node_states) -> None:
+        attempt = attempts[-1]
+        idx = task["idx"]
+        if any(a["attempt"] == attempt["number"] for a in self.ledger.actions(exp["id"], idx)):
+            return
+        recoveries = sum(1 for a in self.ledger.actions(exp["id"], idx) if a["kind"] != "fail")
+        obs = observations.get(attempt["job_id"])
+        pending_again = obs is not None and obs.state == AttemptState.PENDING and exp["executor"] == "slurm"
+        launch = next((l for l in ingest.read_launches(task["task_dir"]) if l.key == attempt["launch"]), None)
+        excluded = sorted({n for a in attempts for n in str(a.get("exclude") or "").split(",") if n})
+        plan = recovery.plan_recovery(
+            attempt, cfg.get("retry", {}), recoveries, exp["executor"], pending_again, node_states,
+            launch.unresponsive if launch else [], excluded,
+        )
+        if plan.kind == "none":
+            return
+        detail = {"exclude": list(plan.exclude), "delay_s": round(plan.delay_s, 1), "job_id": attempt["job_id"], "tag": f"r{secrets.token_hex(3)}"}
+        if not self.ledger.plan_action(exp["id"], idx, attempt["number"], plan.kind, detail, plan.cause):
+            return
+        self._carry_out(exp, task, attempt, plan.kind, detail, plan.cause)
+
+    def _carry_out(self, exp, task, attempt, kind, detail, cause) -> None:
+        idx, sched = task["idx"], self.scheduler(exp["executor"])
+        if kind == "fail":
+            self.ledger.set_task_state(exp["id"], idx, TaskState.FAILED, cause, reason=cause)
+            self.ledger.finish_action(exp["id"], idx, attempt["number"], {}, cause)
+            return
+        if kind == "requeue" and not sched.requeue(attempt["job_id"]):
+            kind = "resubmit"  # SLURM no longer holds the job's record
+            self.ledger.event(exp["id"], "recovery.resubmit", f"SLURM no longer knows job {attempt['job_id']}: submitting the task again", idx=idx, attempt=attempt["number"])
+        _fault_point(f"after-{kind}")
+        done: dict = {}
+        if kind in ("requeue", "release"):
+            sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
+        else:
+            new_job = sched.resubmit(Path(exp["run_dir"]), idx, detail["exclude"], detail["delay_s"], detail["tag"])
+            _fault_point("after-resubmit-submitted")
+            self.ledger.add_attempt(exp["id"], idx, new_job, f"{cause} (new job {new_job})")
+            done["new_job_id"] = new_job
+        with self.ledger.tx():
+            self.ledger.db["attempts"].update((exp["id"], idx, attempt["number"]), {"exclude": ",".join(detail["exclude"]) or None})
+            self.ledger.finish_action(exp["id"], idx, attempt["number"], done, cause)
+
+    def _finish_planned(self, exp, task, attempts, observations) -> None:
+        """Actions a watcher wrote down but did not finish (it was killed): finish them once."""
+        for action in self.ledger.actions(exp["id"], task["idx"], state="PLANNED"):
+            attempt = next(a for a in attempts if a["number"] == action["attempt"])
+            detail, sched = action["detail"], self.scheduler(exp["executor"])
+            cause = f"finishing a recovery a watcher left halfway: {action['kind']} of job {detail.get('job_id')}"
+            if action["kind"] in ("requeue", "release"):
+                if observations is None:
+                    continue
+                obs = observations.get(attempt["job_id"])
+                newer = attempts[-1]["number"] > attempt["number"]
+                if newer or (obs is not None and obs.state in (AttemptState.PENDING, AttemptState.RUNNING)):
+                    if obs is not None and obs.state == AttemptState.PENDING:
+                        sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
+                    with self.ledger.tx():
+                        self.ledger.db["attempts"].update((exp["id"], task["idx"], attempt["number"]), {"exclude": ",".join(detail["exclude"]) or None})
+                        self.ledger.finish_action(exp["id"], task["idx"], attempt["number"], {}, cause + ": it had been requeued")
+                    continue
+            elif action["kind"] == "resubmit":
+                job = sched.find_submission(Path(exp["run_dir"]), detail["tag"], action["created_at"])
+                if job is not None:
+                    if not any(a["job_id"] == job for a in attempts):
+                        self.ledger.add_attempt(exp["id"], task["idx"], job, f"{cause}: found its job {job}")
+                    self.ledger.finish_action(exp["id"], task["idx"], attempt["number"], {"new_job_id": job}, cause + f": found job {job}")
+                    continue
+            self._carry_out(exp, task, attempt, action["kind"], detail, cause)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def handler(self, *_):
+        self.requested = True
+
+
+def watch(
+    ledger: Ledger,
+    exp_ids: list[str] | None,
+    interval_s: float = 5.0,
+    once: bool = False,
+    on_cycle: Callable[[list[str]], None] | None = None,
+) -> list[str]:
+    """Run cycles until the watched experiments end (all live ones when ``exp_ids`` is
+    None: until stopped). SIGTERM and SIGINT stop it between cycles."""
+    stop = _Stop()
+    old = {s: signal.signal(s, stop.handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    watcher = Watcher(ledger, interval_s)
+    try:
+        while True:
+            ids = exp_ids if exp_ids is not None else [e["id"] for e in ledger.find_experiments(live_only=True)]
+            watcher.cycle(ids)
+            if on_cycle:
+                on_cycle(ids)
+            ended = exp_ids is not None and all(TaskState(ledger.experiment(i)["state"]).terminal for i in ids)
+            if once or ended or stop.requested:
+                return ids
+            deadline = time.time() + interval_s
+            while time.time() < deadline and not stop.requested:
+                time.sleep(min(0.2, interval_s))
+            if stop.requested:
+                return ids
+    finally:
+        ledger.release_leases(watcher.owner)
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,264 @@
+"""Chaos on the real local cluster, with a real watcher: ranks killed and stopped, a node
+set DOWN, a checkpoint corrupted, user code that always raises, scancel, the watcher
+itself killed halfway through a recovery, and the accounting daemon stopped.
+
+Each run must end as designed, with the loss of a run nobody disturbed, and the ledger
+must tell what happened."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SESSION_START, REPO, cli, slurm_run, status_json, submit, write
+from orchestrator import protocol
+from orchestrator.ledger import Ledger
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
+
+STEPS = 900
+SPEC = """\
+name: {name}
+steps: {steps}
+model: {{n_layer: 2, d_model: 64, n_head: 4, seq_len: 32}}
+batch: {{micro_batch_size: 4}}
+optimizer: {{lr: 3.0e-3}}
+logging: {{every_steps: 1}}
+heartbeat: {{interval_s: 0.5{timeout}}}
+checkpoint: {{every_steps: 100, keep_last: 3}}
+retry: {{backoff_s: 3, backoff_max_s: 10{retry}}}
+resources: {{nodes: 2, tasks_per_node: 1, cpus_per_task: 1, time: '00:10:00'}}
+"""
+
+
+def spec_text(name, steps=STEPS, timeout="", retry=""):
+    return SPEC.format(name=name, steps=steps, timeout=timeout, retry=retry)
+
+
+@pytest.fixture(scope="module")
+def reference_loss(tmp_path_factory):
+    """The same training, undisturbed: 2 ranks of 1 thread on one machine (the same world,
+    data order and kernels as 2 nodes x 1 rank)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    spec = write(tmp / "ref.yaml", spec_text("reference"))
+    out = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 2, cpus_per_task: 1}",
+              "--wait", "--json", home=tmp / "home", timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)["experiments"][0]["tasks"][0]["loss"]
+
+
+class WatcherProc:
+    """`orchestrate watch EXP` as a user runs it, in its own process."""
+
+    def __init__(self, home, exp_id, env=None):
+        self.home, self.exp_id = home, exp_id
+        env = {**os.environ, "ORCHESTRATE_HOME": str(home), **(env or {})}
+        self.log = open(home / f"watch-{time.time():.0f}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "watch", exp_id, "--interval", "1"],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.log.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture
+def watchers():
+    started = []
+    yield started
+    for w in started:
+        w.stop()
+
+
+def start(home, tmp_path, watchers, name, **kw):
+    spec = write(tmp_path / f"{name}.yaml", spec_text(name, **kw))
+    exp_id = submit(home, str(spec), "--executor", "slurm")
+    watchers.append(WatcherProc(home, exp_id))
+    exp = status_json(home, exp_id)["experiments"][0]
+    return exp_id, protocol.task_dir(exp["run_dir"], 0)
+
+
+def metrics(tdir):
+    rows, _ = protocol.read_jsonl_from(protocol.metrics_path(tdir), 0)
+    return rows
+
+
+def wait_for_step(tdir, step, timeout=120):
+    deadline = time.time() + timeout
+    while max((m["step"] for m in metrics(tdir)), default=0) < step:
+        assert time.time() < deadline, f"training did not reach step {step}"
+        time.sleep(0.2)
+
+
+def heartbeat(tdir, rank):
+    return protocol.read_json(protocol.heartbeat_path(tdir, rank))
+
+
+def finish(home, exp_id, watcher, timeout=400):
+    assert watcher.wait(timeout) is not None
+    exp = status_json(home, exp_id)["experiments"][0]
+    return exp, Ledger.open(home / "ledger.db")
+
+
+def kinds(ledger, exp_id):
+    return [e["kind"] for e in ledger.events(exp_id)]
+
+
+def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_as_if_nothing_happened(slurm, home, tmp_path, watchers, reference_loss, capsys):
+    exp_id, tdir = start(home, tmp_path, watchers, "kill9")
+    wait_for_step(tdir, 250)
+    victim = heartbeat(tdir, 1)
+    killed_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    exp, ledger = finish(home, exp_id, watchers[-1])
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    [attempt] = ledger.attempts(exp_id, 0)  # no trip through the queue
+    assert attempt["restarts"] == 1 and attempt["state"] == "COMPLETED"
+    [restart] = [e for e in ledger.events(exp_id) if e["kind"] == "attempt.restarted"]
+    assert f"rank 1 on {victim['node']} was killed by SIGKILL" in restart["cause"], restart
+    resumed = min(m["time"] for m in metrics(tdir) if m.get("generation") == 1)
+    with capsys.disabled():
+        print(f"\n[chaos] kill -9 of rank 1 -> first step of the restarted ranks: {resumed - killed_at:.1f} s (in place, same allocation)")
+
+
+def test_a_hung_rank_is_detected_its_stacks_saved_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys):
+    exp_id, tdir = start(home, tmp_path, watchers, "hang", timeout=", timeout_s: 4")
+    wait_for_step(tdir, 250)
+    victim = heartbeat(tdir, 1)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    stopped_at = time.time()
+    exp, ledger = finish(home, exp_id, watchers[-1])
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    [hang] = [e for e in ledger.events(exp_id) if e["kind"] == "hang.detected"]
+    assert hang["cause"].startswith("hang: rank ") and "timeout 4 s" in hang["cause"], hang
+    # detected within the timeout (plus one heartbeat interval) and one watcher cycle, with a little slack
+    assert hang["time"] - stopped_at < 4 + 0.5 + 1 + 3, hang["time"] - stopped_at
+    [attempt] = ledger.attempts(exp_id, 0)
+    launch_dir = protocol.launches_dir(tdir) / attempt["launch"]
+    for rank in (0, 1):  # the stopped rank, and its peer waiting in a collective
+        stacks = protocol.stacks_path(launch_dir, 0, rank).read_text()
+        assert "Current thread" in stacks or "Thread 0x" in stacks, stacks
+        assert "train_entry/worker.py" in stacks, stacks
+    with capsys.disabled():
+        print(f"\n[chaos] SIGSTOP of rank 1 -> hang detected after {hang['time'] - stopped_at:.1f} s (timeout 4 s, watcher cycle 1 s)")
+
+
+def test_a_node_set_down_is_excluded_and_the_task_requeued_on_other_nodes(slurm, home, tmp_path, watchers, reference_loss):
+    exp_id, tdir = start(home, tmp_path, watchers, "nodedown")
+    wait_for_step(tdir, 250)
+    node = heartbeat(tdir, 1)["node"]
+    try:
+        slurm_run("scontrol", "update", f"nodename={node}", "state=down", "reason=chaos-test")
+        exp, ledger = finish(home, exp_id, watchers[-1])
+    finally:
+        slurm_run("scontrol", "update", f"nodename={node}", "state=resume")
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    first, second = ledger.attempts(exp_id, 0)
+    assert first["failure"] == "node_failure" and first["exclude"] == node, first
+    assert node not in second["nodes"].split(","), second
+    [action] = ledger.actions(exp_id, 0)
+    assert action["kind"] == "release" and action["state"] == "DONE" and action["detail"]["exclude"] == [node]
+    assert "recovery.release" in kinds(ledger, exp_id)
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped_after_a_crash(slurm, home, tmp_path, watchers, reference_loss):
+    exp_id, tdir = start(home, tmp_path, watchers, "corrupt")
+    wait_for_step(tdir, 330)
+    step, newest = protocol.committed_checkpoints(tdir)[0]
+    shard = max((p for p in newest.rglob("*") if p.is_file() and p.name != protocol.MANIFEST), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    os.kill(heartbeat(tdir, 0)["pid"], signal.SIGKILL)
+    exp, ledger = finish(home, exp_id, watchers[-1])
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    resumed = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.resumed"]
+    assert resumed and resumed[0].startswith(f"resumed from step {step - 100} "), resumed
+    assert any(str(step) in e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.skipped"), kinds(ledger, exp_id)
+
+
+def test_user_code_that_raises_at_step_3_on_every_attempt_fails_without_a_loop(slurm, home, tmp_path, watchers):
+    spec = write(tmp_path / "bug.yaml", spec_text("bug").replace(
+        "model: {n_layer: 2, d_model: 64, n_head: 4, seq_len: 32}", "model: {kind: entrypoint, entrypoint: 'faulty:raises_at'}"))
+    exp_id = submit(home, str(spec), "--executor", "slurm")
+    watchers.append(WatcherProc(home, exp_id))
+    exp, ledger = finish(home, exp_id, watchers[-1], timeout=200)
+    assert exp["state"] == "FAILED", exp
+    [attempt] = ledger.attempts(exp_id, 0)
+    assert attempt["failure"] == "user_error" and attempt["restarts"] == 1, attempt  # one retry in place, then stop
+    assert "the same user error came back at step 2" in attempt["reason"], attempt["reason"]
+    assert "ValueError: user bug at forward call 3" in attempt["reason"] and "Traceback" in attempt["error"]
+    assert ledger.actions(exp_id) == []  # never requeued
+    assert slurm_run("sacct", "-S", SESSION_START, "-X", "-n", "-P", "-o", "State", "-j", attempt["job_id"]).split() == ["FAILED"]
+
+
+def test_scancel_by_the_user_ends_cancelled_and_is_never_requeued(slurm, home, tmp_path, watchers):
+    exp_id, tdir = start(home, tmp_path, watchers, "scancel")
+    wait_for_step(tdir, 100)
+    job = status_json(home, exp_id)["experiments"][0]["tasks"][0]["job_id"]
+    slurm_run("scancel", job)
+    exp, ledger = finish(home, exp_id, watchers[-1], timeout=120)
+    assert exp["state"] == "CANCELLED", exp
+    [attempt] = ledger.attempts(exp_id, 0)
+    assert attempt["failure"] == "cancelled" and attempt["restarts"] == 0, attempt
+    assert ledger.actions(exp_id) == [] and "recovery.requeue" not in kinds(ledger, exp_id)
+    time.sleep(3)
+    assert slurm_run("squeue", "-h", "-j", job).strip() == ""  # nothing went back to the queue
+
+
+def test_a_watcher_killed_in_the_middle_of_a_recovery_makes_exactly_one_new_attempt(slurm, home, tmp_path, reference_loss):
+    # no in-place restarts: a killed rank ends the launch, and the watcher requeues the job
+    spec = write(tmp_path / "w.yaml", spec_text("watcherkill", retry=", max_restarts: 0"))
+    exp_id = submit(home, str(spec), "--executor", "slurm")
+    tdir = protocol.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
+    first = WatcherProc(home, exp_id, env={"ORCHESTRATE_FAULT_INJECT": "after-requeue"})
+    try:
+        wait_for_step(tdir, 250)
+        os.kill(heartbeat(tdir, 1)["pid"], signal.SIGKILL)
+        assert first.wait(120) == 70  # died right after `scontrol requeue`, before recording it
+    finally:
+        first.stop()
+    ledger = Ledger.open(home / "ledger.db")
+    [planned] = ledger.actions(exp_id, 0)
+    assert planned["kind"] == "requeue" and planned["state"] == "PLANNED"
+    second = WatcherProc(home, exp_id)
+    exp, ledger = finish(home, exp_id, second)
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    attempts = ledger.attempts(exp_id, 0)
+    assert [a["state"] for a in attempts] == ["FAILED", "COMPLETED"], attempts
+    assert attempts[0]["failure"] == "infrastructure" and attempts[1]["job_id"] == attempts[0]["job_id"]
+    [done] = ledger.actions(exp_id, 0)
+    assert done["state"] == "DONE"
+    assert any("a watcher left halfway" in e["cause"] for e in ledger.events(exp_id))
+    runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", attempts[0]["job_id"]).split()
+    assert runs[-1] == "COMPLETED" and len(runs) == 2, runs  # one requeue, not two
+
+
+def test_sacct_failing_for_a_while_triggers_no_requeue_and_the_watcher_catches_up(slurm, home, tmp_path, watchers):
+    exp_id, tdir = start(home, tmp_path, watchers, "nodbd", steps=3000)
+    wait_for_step(tdir, 100)
+    ctl = [sys.executable, str(REPO / "scripts" / "slurm-local")]
+    subprocess.run([*ctl, "accounting", "stop"], check=True, timeout=60, capture_output=True)
+    try:
+        time.sleep(8)  # several watcher cycles in which sacct fails
+    finally:
+        subprocess.run([*ctl, "accounting", "start"], check=True, timeout=60, capture_output=True)
+    exp, ledger = finish(home, exp_id, watchers[-1], timeout=200)
+    assert exp["state"] == "COMPLETED", exp
+    [attempt] = ledger.attempts(exp_id, 0)
+    assert attempt["state"] == "COMPLETED" and ledger.actions(exp_id) == []
+    told = [k for k in kinds(ledger, exp_id) if k.startswith("scheduler.")]
+    assert told == ["scheduler.unreachable", "scheduler.reachable"], told

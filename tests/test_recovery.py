@@ -1,0 +1,120 @@
+"""The watcher's pure policies: hang detection, in-place restart decisions, recovery of
+failed attempts, backoff and the lease."""
+
+from orchestrator import protocol, recovery
+from orchestrator.ledger import Ledger
+from orchestrator.recovery import find_hang, plan_recovery
+
+HB = {"interval_s": 1.0, "timeout_s": None, "startup_timeout_s": 300.0, "save_timeout_s": 600.0}
+
+
+def beat(rank, t, phase="train", gen=0, step=10, launch="7.0"):
+    return {"rank": rank, "node": f"n{rank + 1}", "launch": launch, "generation": gen, "phase": phase, "step": step, "time": t}
+
+
+def test_a_rank_silent_past_its_timeout_is_hung_and_the_timeout_is_learned_from_step_times():
+    now = 1000.0
+    # learned: 10 x the slowest step (8 s) = 80 s, plus the heartbeat interval
+    assert find_hang([beat(0, now - 80), beat(1, now - 2)], "7.0", HB, 8.0, now) is None
+    hang = find_hang([beat(0, now - 82), beat(1, now - 2)], "7.0", HB, 8.0, now)
+    assert hang.rank == 0 and hang.timeout_s == 81 and "silent for 82 s" in hang.cause
+    # fast steps: never below the floor
+    assert recovery.train_timeout(HB, 0.01) == recovery.LEARNED_TIMEOUT_MIN_S
+    assert find_hang([beat(0, now - 50)], "7.0", HB, 0.01, now) is None
+    # configured
+    assert find_hang([beat(0, now - 6)], "7.0", {**HB, "timeout_s": 4}, 0.01, now).timeout_s == 5
+
+
+def test_silence_is_allowed_longer_while_saving_and_starting_and_not_after_the_end():
+    now = 1000.0
+    cfg = {**HB, "timeout_s": 4}
+    assert find_hang([beat(0, now - 100, "saving")], "7.0", cfg, 0.1, now) is None
+    assert find_hang([beat(0, now - 700, "saving")], "7.0", cfg, 0.1, now).phase == "saving"
+    assert find_hang([beat(0, now - 200, "init")], "7.0", cfg, 0.1, now) is None
+    for phase in ("done", "failed", "requeue"):
+        assert find_hang([beat(0, now - 5000, phase)], "7.0", cfg, 0.1, now) is None
+    # only the launch's newest generation counts: ranks of the old one are being replaced
+    assert find_hang([beat(0, now - 100, gen=0), beat(1, now - 1, gen=1)], "7.0", cfg, 0.1, now) is None
+    # another launch's heartbeats are not this one's
+    assert find_hang([beat(0, now - 100, launch="7.1")], "7.0", cfg, 0.1, now) is None
+
+
+def test_in_place_restarts_stop_at_the_limit_and_when_a_user_error_repeats_at_the_same_step():
+    first = protocol.generation_end("user_error", "rank 0 raised", 0, [], 3, step=2)
+    assert first["action"] == "restart" and first["exit_code"] == protocol.ExitCode.USER_ERROR
+    again = protocol.generation_end("user_error", "rank 0 raised", 1, [first], 3, step=2)
+    assert again["action"] == "stop" and "came back at step 2" in again["decision"]
+    elsewhere = protocol.generation_end("user_error", "rank 0 raised", 1, [first], 3, step=7)
+    assert elsewhere["action"] == "restart"  # a different step: maybe a flaky input, worth one more try
+    infra = [protocol.generation_end("infrastructure", "lost peer", g, [], 2, step=5) for g in range(3)]
+    assert [r["action"] for r in infra] == ["restart", "restart", "stop"]
+    assert infra[-1]["exit_code"] == protocol.ExitCode.INFRA_ERROR and "used up" in infra[-1]["decision"]
+    assert protocol.generation_end("hang", "silent", 0, [], 0)["action"] == "stop"
+
+
+def test_the_first_writer_of_a_generation_end_wins(tmp_path):
+    path = protocol.generation_end_path(tmp_path, 0)
+    assert protocol.create_exclusive_json(path, {"by": "n1"})
+    assert not protocol.create_exclusive_json(path, {"by": "watcher"})
+    assert protocol.read_json(path) == {"by": "n1"}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+    protocol.create_exclusive_json(protocol.generation_end_path(tmp_path, 1), {"by": "n2"})
+    protocol.create_exclusive_json(protocol.generation_end_path(tmp_path, 3), {"by": "gap"})
+    assert protocol.generation_ends(tmp_path) == [{"by": "n1"}, {"by": "n2"}]
+
+
+RETRY = {"max_recoveries": 2, "backoff_s": 10, "backoff_max_s": 60, "exclude_failed_nodes": True}
+
+
+def failed(failure, state="FAILED", nodes="n1,n2", reason="x"):
+    return {"state": state, "failure": failure, "nodes": nodes, "reason": reason}
+
+
+def test_infrastructure_failures_are_recovered_with_backoff_and_failed_nodes_excluded():
+    states = {"n1": "allocated", "n2": "down*", "n3": "idle", "n4": "drained"}
+    r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 0, "slurm", False, states)
+    assert r.kind == "requeue" and r.exclude == ("n2",) and 7.5 <= r.delay_s <= 12.5
+    assert "recovery 1 of 2" in r.cause and "excluding n2" in r.cause
+    # SLURM requeued it by itself: only hold it back and keep it off the node
+    r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 1, "slurm", True, states, excluded_before=["n4"])
+    assert r.kind == "release" and r.exclude == ("n2", "n4") and r.delay_s > 15
+    # the local executor has no queue to requeue into
+    assert plan_recovery(failed("infrastructure"), RETRY, 0, "local", False, {}).kind == "resubmit"
+    # nodes the agents found unresponsive are excluded too; none when the policy says so
+    assert plan_recovery(failed("hang"), RETRY, 0, "slurm", False, {}, unresponsive=["n1"]).exclude == ("n1",)
+    assert plan_recovery(failed("node_failure"), {**RETRY, "exclude_failed_nodes": False}, 0, "slurm", False, states).exclude == ()
+
+
+def test_user_errors_cancellations_and_saved_requeues_are_not_recovered_and_the_limit_holds():
+    for f in ("user_error", "oom", "cancelled"):
+        assert plan_recovery(failed(f), RETRY, 0, "slurm", False, {}).kind == "none"
+    assert plan_recovery(failed("preemption", "REQUEUED"), RETRY, 0, "slurm", False, {}).kind == "none"
+    assert plan_recovery({"state": "RUNNING", "failure": None}, RETRY, 0, "slurm", False, {}).kind == "none"
+    r = plan_recovery(failed("lost", "LOST"), RETRY, 2, "slurm", False, {})
+    assert r.kind == "fail" and "gave up after 2 recoveries" in r.cause
+
+
+def test_backoff_grows_and_is_capped():
+    delays = [recovery.backoff_s(n, 10, 60) for n in range(1, 7)]
+    assert delays[1] > delays[0] and max(delays) <= 60 and delays[-1] == 60
+    assert recovery.backoff_s(3, 0, 60) == 0
+
+
+def test_one_watcher_holds_an_experiments_lease_until_it_expires_and_actions_are_recorded_once():
+    now = [100.0]
+    ledger = Ledger.memory(clock=lambda: now[0])
+    assert ledger.acquire_lease("watch:e1", "a", 30)
+    assert not ledger.acquire_lease("watch:e1", "b", 30)
+    assert ledger.acquire_lease("watch:e1", "a", 30)  # renewal
+    now[0] += 31
+    assert ledger.acquire_lease("watch:e1", "b", 30)  # a's lease lapsed: a dead watcher is replaced
+    ledger.release_leases("b")
+    assert ledger.lease("watch:e1") is None
+    ledger.create_experiment({"id": "e1", "name": "n", "executor": "slurm", "spec_path": "s", "run_dir": "r", "spec": "{}"}, [{"idx": 0, "params": {}, "task_dir": "t"}])
+    assert ledger.plan_action("e1", 0, 1, "requeue", {"exclude": []}, "node failure")
+    assert not ledger.plan_action("e1", 0, 1, "resubmit", {}, "again")  # one recovery per failed attempt
+    [a] = ledger.actions("e1", 0, state="PLANNED")
+    ledger.finish_action("e1", 0, 1, {"new_job_id": "9"}, "done")
+    [a] = ledger.actions("e1", 0)
+    assert a["state"] == "DONE" and a["detail"] == {"exclude": [], "new_job_id": "9"}
+    assert [e["kind"] for e in ledger.events("e1")][-2:] == ["recovery.requeue", "recovery.requeue.done"]
