@@ -248,12 +248,12 @@ def test_a_watcher_killed_in_the_middle_of_a_recovery_makes_exactly_one_new_atte
 
 
 def test_sacct_failing_for_a_while_triggers_no_requeue_and_the_watcher_catches_up(slurm, home, tmp_path, watchers):
-    exp_id, tdir = start(home, tmp_path, watchers, "nodbd", steps=3000)
+    exp_id, tdir = start(home, tmp_path, watchers, "nodbd", steps=2200)
     wait_for_step(tdir, 100)
     ctl = [sys.executable, str(REPO / "scripts" / "slurm-local")]
     subprocess.run([*ctl, "accounting", "stop"], check=True, timeout=60, capture_output=True)
     try:
-        time.sleep(8)  # several watcher cycles in which sacct fails
+        time.sleep(6)  # several watcher cycles in which sacct fails
     finally:
         subprocess.run([*ctl, "accounting", "start"], check=True, timeout=60, capture_output=True)
     exp, ledger = finish(home, exp_id, watchers[-1], timeout=200)
