@@ -70,6 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("experiment")
     sp.add_argument("--json", action="store_true")
 
+    sp = sub.add_parser("ckpt", help="list, verify and prune sharded checkpoints")
+    ck = sp.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    c = ck.add_parser("list", help="every checkpoint: step, engine, world size, size, committed, verified")
+    c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoint folder")
+    c.add_argument("--deep", action="store_true", help="verify sha256 of every file too (reads everything)")
+    c.add_argument("--json", action="store_true")
+    c = ck.add_parser("verify", help="check one checkpoint: every file present, sizes and sha256 as the manifest says")
+    c.add_argument("path", help="a step-N folder (or a task folder: its newest checkpoint)")
+    c = ck.add_parser("consolidate", help="one checkpoint -> full weights (safetensors shards + index), streaming")
+    c.add_argument("path", help="a step-N folder (or a task folder: its newest good checkpoint)")
+    c.add_argument("--out", required=True, help="a new folder for the weights")
+    c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    c.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
+    c.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB): also the memory bound")
+    c = ck.add_parser("prune", help="delete all but the newest K good checkpoints of each task")
+    c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoints folder")
+    c.add_argument("--keep", type=int, required=True, metavar="K")
+    c.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+
     sp = sub.add_parser("cancel", help="stop an experiment's live tasks (never requeued)")
     sp.add_argument("experiment")
     sp.add_argument("--task", type=int, help="only this task")
@@ -369,6 +388,98 @@ def cmd_cancel(args) -> int:
     return 0
 
 
+def _one_checkpoint(path: str, good_only: bool = False):
+    """A checkpoint folder as given, or the newest (good) one under a task folder."""
+    from pathlib import Path
+
+    from . import ckpt
+
+    folder = Path(path).expanduser()
+    if (folder / protocol.MANIFEST).exists() or folder.name.startswith((".tmp-", "step-")):
+        return folder
+    found = [c for c in ckpt.find(folder) if (c.verified if good_only else c.committed)]
+    if not found:
+        raise UserError(f"'{folder}' holds no {'good' if good_only else 'committed'} checkpoint; see `orchestrate ckpt list {folder}`")
+    return found[-1].folder
+
+
+def _ckpt_target(home, target: str):
+    """(path, experiment or None) for an experiment reference or a path."""
+    from pathlib import Path
+
+    path = Path(target).expanduser()
+    if path.exists():
+        return path, None
+    ledger = service.open_ledger(home)
+    exp = service.resolve_experiment(ledger, target)[0]
+    return Path(exp["run_dir"]), (ledger, exp)
+
+
+def cmd_ckpt(args) -> int:
+    from . import ckpt
+
+    home = service.home_dir(args.home)
+    if args.ckpt_command == "consolidate":
+        from .consolidate import consolidate
+        from .units import parse_bytes
+
+        try:
+            max_bytes = parse_bytes(args.max_shard_size)
+        except ValueError as exc:
+            raise UserError(f"--max-shard-size: {exc}") from None
+        folder = _one_checkpoint(args.path, good_only=True)
+        done = consolidate(folder, args.out, args.dtype, args.format, max_bytes)
+        print(f"{done['tensors']} tensors ({done['bytes'] / 1e6:,.1f} MB {done['dtype']}) of step {done['step']} "
+              f"in {len(done['files'])} file(s) in {done['out']} ({done['seconds']} s)")
+        return 0
+    if args.ckpt_command == "verify":
+        folder = _one_checkpoint(args.path)
+        problem = ckpt.verify(folder)
+        if problem:
+            print(f"damaged: {problem}", file=sys.stderr)
+            return 1
+        manifest = protocol.read_json(folder / protocol.MANIFEST)
+        print(f"{folder}: good ({len(manifest['files'])} files, sizes and sha256 as the manifest says)")
+        return 0
+    path, owner = _ckpt_target(home, args.target)
+    if args.ckpt_command == "list":
+        found = ckpt.find(path, deep=args.deep)
+        if args.json:
+            print(json.dumps([
+                {"task": c.task, "step": c.step, "folder": str(c.folder), "engine": c.engine, "world_size": c.world_size,
+                 "size": c.size, "committed": c.committed, "verified": c.verified, "problem": c.problem} for c in found
+            ], indent=2))
+            return 0
+        from rich.table import Table
+
+        t = Table(title=str(path), title_justify="left")
+        for col in ("task", "step", "engine", "world", "size", "committed", "verified", "folder"):
+            t.add_column(col, overflow="fold")
+        for c in found:
+            t.add_row(c.task, str(c.step), c.engine or "-", str(c.world_size or "-"), ckpt.human_size(c.size),
+                      "yes" if c.committed else "no", "yes" if c.verified else f"no: {c.problem}", c.folder.name)
+        _console().print(t)
+        return 0
+    plan = ckpt.plan_prune(ckpt.find(path), args.keep)
+    for c in plan.remove:
+        print(f"{'would remove' if args.dry_run else 'removing'} task {c.task} {c.folder.name} ({ckpt.human_size(c.size)})")
+    if args.dry_run:
+        print(f"dry run: {len(plan.remove)} to remove, {len(plan.keep)} kept; nothing removed")
+        return 0
+    for c in plan.remove:
+        try:
+            protocol.discard_checkpoint(c.folder)
+        except FileNotFoundError:
+            continue  # removed meanwhile (the run's own rotation): the same end
+        if owner and c.step is not None and c.task.isdigit():
+            owner[0].mark_checkpoint(owner[1]["id"], int(c.task), c.step, "PRUNED")
+    if owner and plan.remove:
+        ledger, exp = owner
+        ledger.event(exp["id"], "checkpoint.pruned", f"orchestrate ckpt prune --keep {args.keep}: removed {len(plan.remove)} checkpoint(s)")
+    print(f"removed {len(plan.remove)} checkpoint(s), kept {len(plan.keep)}")
+    return 0
+
+
 COMMANDS = {
     "validate": cmd_validate,
     "schema": cmd_schema,
@@ -379,4 +490,5 @@ COMMANDS = {
     "events": cmd_events,
     "cancel": cmd_cancel,
     "watch": cmd_watch,
+    "ckpt": cmd_ckpt,
 }

@@ -47,3 +47,15 @@ def parse_memory_mb(text: str) -> int:
     if not m:
         raise ValueError(f"'{text}' is not a memory size; use e.g. 4096, 500M, 16G or 1T")
     return max(1, int(int(m.group(1)) * _MEM_MB[m.group(2).upper()]))
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?$", re.IGNORECASE)
+_SIZE_EXP = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes in a size such as ``5GB``, ``500MB``, ``100KB`` or ``1048576`` (binary multiples)."""
+    m = _SIZE.match(str(text).strip())
+    if not m:
+        raise ValueError(f"'{text}' is not a size; use e.g. 5GB, 500MB or 100KB")
+    return max(1, int(float(m.group(1)) * 1024 ** _SIZE_EXP[m.group(2).upper()]))

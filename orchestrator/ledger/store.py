@@ -281,6 +281,11 @@ class Ledger:
         if row.get("checkpoint") is None or step >= int(str(row["checkpoint"]).split(" ")[0] or 0):
             self.update_task(exp_id, idx, checkpoint=str(step))
 
+    def mark_checkpoint(self, exp_id: str, idx: int, step: int, state: str) -> None:
+        self.db.execute(
+            "update checkpoints set state = ? where experiment_id = ? and idx = ? and step = ?", [state, exp_id, idx, step]
+        )
+
     def checkpoints(self, exp_id: str, idx: int) -> list[dict]:
         return list(self.db["checkpoints"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
 

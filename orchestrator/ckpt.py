@@ -1,0 +1,135 @@
+"""`orchestrate ckpt`: list, verify and prune sharded checkpoints.
+
+A checkpoint is found by what the user has at hand: an experiment (id or name), a run
+folder, a task folder, its ``checkpoints`` folder, or one ``step-N`` folder. What a
+checkpoint is, and when it counts, is ``protocol``'s: a ``step-N`` folder with a
+manifest, written last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import protocol
+from .errors import UserError
+
+
+@dataclass
+class Checkpoint:
+    task: str  # the task folder's index, or "-" for a bare folder
+    step: int | None
+    folder: Path
+    committed: bool
+    engine: str | None = None
+    world_size: int | None = None
+    size: int = 0
+    problem: str | None = None  # None: verified (sizes; sha256 with --deep)
+
+    @property
+    def verified(self) -> bool:
+        return self.committed and self.problem is None
+
+
+def task_dirs(path: Path) -> list[Path]:
+    """Task folders under a run folder, or the one task folder given."""
+    if (path / "tasks").is_dir():
+        return sorted((d for d in (path / "tasks").iterdir() if d.is_dir()), key=lambda d: int(d.name) if d.name.isdigit() else 0)
+    if (path / "checkpoints").is_dir() or protocol.task_config_path(path).exists():
+        return [path]
+    return []
+
+
+def find(path: Path, deep: bool = False) -> list[Checkpoint]:
+    """Every checkpoint under ``path``, committed or not, oldest first within each task."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"'{path}' does not exist; give an experiment, a run or task folder, or a checkpoint folder")
+    if (path / protocol.MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
+        return [describe(path, "-", deep)]
+    if path.name == "checkpoints":
+        return [describe(d, "-", deep) for d in _folders(path)]
+    dirs = task_dirs(path)
+    if not dirs:
+        raise UserError(f"'{path}' holds no checkpoints: not a run, task or checkpoint folder")
+    return [describe(d, t.name, deep) for t in dirs for d in _folders(protocol.checkpoints_dir(t))]
+
+
+def _folders(base: Path) -> list[Path]:
+    if not base.is_dir():
+        return []
+    found = [d for d in base.iterdir() if d.is_dir() and (d.name.startswith("step-") or d.name.startswith(".tmp-step-"))]
+    return sorted(found, key=lambda d: (_step(d) or 0, d.name.startswith("step-")))
+
+
+def _step(folder: Path) -> int | None:
+    try:
+        return int(folder.name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def describe(folder: Path, task: str, deep: bool = False) -> Checkpoint:
+    manifest = protocol.read_json(folder / protocol.MANIFEST)
+    committed = folder.name.startswith("step-") and isinstance(manifest, dict)
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    ck = Checkpoint(task, _step(folder), folder, committed, size=size)
+    if committed:
+        ck.engine = manifest.get("engine")
+        ck.world_size = manifest.get("world_size")
+        ck.problem = protocol.verify_checkpoint(folder, deep=deep)
+    else:
+        ck.problem = "not committed (a save that never finished; never loaded)"
+    return ck
+
+
+def verify(folder: Path) -> str | None:
+    """Deep check of one checkpoint: every file the manifest names present, with its size
+    and sha256. None when it is good, else what is wrong (naming the file)."""
+    folder = Path(folder)
+    if not (folder / protocol.MANIFEST).exists():
+        if folder.name.startswith(".tmp-"):
+            return f"{folder}: not committed (a save that never finished)"
+        return f"{folder}: no {protocol.MANIFEST}: not a committed checkpoint"
+    problem = protocol.verify_checkpoint(folder, deep=True)
+    return f"{folder}: {problem}" if problem else None
+
+
+@dataclass
+class PrunePlan:
+    keep: list[Checkpoint]
+    remove: list[Checkpoint]
+
+
+def plan_prune(checkpoints: list[Checkpoint], keep: int) -> PrunePlan:
+    """Per task: keep the ``keep`` newest committed checkpoints that verify; remove older
+    committed ones and leftovers of unfinished saves older than the newest kept. A damaged
+    checkpoint is never counted as kept, and nothing is removed from a task that has no
+    good checkpoint (pruning must not take the last way back)."""
+    if keep < 1:
+        raise UserError("--keep must be at least 1")
+    plan = PrunePlan([], [])
+    by_task: dict[str, list[Checkpoint]] = {}
+    for ck in checkpoints:
+        by_task.setdefault(ck.task, []).append(ck)
+    for cks in by_task.values():
+        good = [c for c in cks if c.verified]
+        if not good:
+            plan.keep += cks
+            continue
+        kept = good[-keep:]
+        oldest_kept = kept[0].step or 0
+        for c in cks:
+            if c in kept or (c.step or 0) > oldest_kept:
+                plan.keep.append(c)  # newer than what we keep: a save in flight, or a damaged one to look at
+            else:
+                plan.remove.append(c)
+    return plan
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
