@@ -263,9 +263,13 @@ class Generation:
         procs, codes = self.procs, self.codes
         record = record or {"action": "stop", "exit_code": int(ExitCode.INFRA_ERROR)}
         if record.get("dump"):  # a hang: every rank writes its stacks first (SIGCONT wakes a stopped one)
+            stacks = {r: protocol.stacks_path(self.ldir, self.generation, r) for r in procs if codes[r] is None}
+            before = {r: _size(p) for r, p in stacks.items()}
             _signal_all(procs, codes, protocol.dump_signal())
             _signal_all(procs, codes, signal.SIGCONT)
-            time.sleep(DUMP_WAIT_S)
+            deadline = time.time() + DUMP_WAIT_S
+            while time.time() < deadline and any(_size(p) <= before[r] for r, p in stacks.items()):
+                time.sleep(0.05)
         _signal_all(procs, codes, signal.SIGTERM)
         _signal_all(procs, codes, signal.SIGCONT)
         deadline = time.time() + TERM_GRACE_S
@@ -346,6 +350,13 @@ def _requeue_decision(ctx: NodeContext, cfg: dict, run) -> dict:
             return {"by": "slurm", "reason": "preempted"}
         return {"by": "agent", "reason": f"preempted (PreemptMode {mode or 'unknown'}: SLURM would not requeue)"}
     return {"by": "agent", "reason": "time limit signal"}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _signal_all(procs: dict, codes: dict, sig: int) -> None:
