@@ -102,3 +102,44 @@ def test_a_node_that_failed_on_its_own_is_the_root_cause_not_the_nodes_stopped_a
     assert launch([75, 5]).exit_code == ExitCode.REQUEUE
     assert launch([5, 5]).exit_code == ExitCode.CANCELLED
     assert launch([0, 0]).exit_code == 0
+
+
+def test_ranks_stopped_by_slurm_are_not_taken_for_a_cancellation():
+    """SLURM stops the ranks with SIGTERM on a node failure, a preemption and the time
+    limit, just as scancel does: the agents record 'cancelled', SLURM's record says why."""
+    a = {"state": "RUNNING"}
+    stopped = launch([5, 5])
+    d = decide(a, stopped, Observation("5_0", AttemptState.NODE_FAIL, reason="node failure (n2)"))
+    assert d.attempt["state"] == "NODE_FAIL" and d.attempt["failure"] == "node_failure" and d.task_state == TaskState.RECOVERING
+    assert "SLURM stopped the ranks" in d.attempt["reason"]
+    d = decide(a, stopped, Observation("5_0", AttemptState.TIMEOUT))
+    assert d.attempt["failure"] == "time_limit" and d.task_state == TaskState.RECOVERING
+    d = decide(a, stopped, Observation("5_0", AttemptState.CANCELLED, reason="cancelled by alice"))
+    assert d.task_state == TaskState.CANCELLED and d.attempt["failure"] == "cancelled"
+
+
+def test_restarts_in_place_become_one_event_each_and_only_the_last_generations_error_counts(tmp_path):
+    ledger, tdir = make_task(tmp_path)
+    number = ledger.add_attempt("e", 0, "7_0", "submitted")
+    ldir = protocol.launches_dir(tdir) / "7_0.0"
+    protocol.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1"], "world_size": 2, "time": 1.0})
+    first = protocol.generation_end("user_error", "rank 1 raised ValueError", 0, [], 3, step=2)
+    protocol.create_exclusive_json(protocol.generation_end_path(ldir, 0), first)
+    protocol.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "old", "traceback": "tb0", "generation": 0, "time": 2.0})
+    (rec,) = ingest.read_launches(tdir)
+    assert rec.errors == []  # generation 0's error is history once the launch runs on
+    attempt = ledger.attempt("e", 0, number)
+    ingest.ingest_restarts(ledger, "e", 0, attempt, rec, str(tdir))
+    ingest.ingest_restarts(ledger, "e", 0, ledger.attempt("e", 0, number), rec, str(tdir))  # idempotent
+    second = protocol.generation_end("user_error", "rank 1 raised ValueError", 1, [first], 3, step=2)
+    protocol.create_exclusive_json(protocol.generation_end_path(ldir, 1), second)
+    protocol.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "again", "traceback": "tb1", "generation": 1, "time": 3.0})
+    protocol.atomic_write_json(ldir / "node-0.json", {"exit_code": 3, "generation": 1, "ended": 4.0})
+    (rec,) = ingest.read_launches(tdir)
+    ingest.ingest_restarts(ledger, "e", 0, ledger.attempt("e", 0, number), rec, str(tdir))
+    kinds = [e["kind"] for e in ledger.events("e") if e["kind"].startswith("attempt.restart")]
+    assert kinds == ["attempt.restarted", "attempt.restarts_stopped"]
+    assert ledger.attempt("e", 0, number)["restarts"] == 1
+    d = decide(ledger.attempt("e", 0, number), rec, None)
+    assert d.task_state == TaskState.FAILED and d.attempt["failure"] == "user_error"
+    assert "came back at step 2" in d.attempt["reason"] and "again" in d.attempt["reason"] and d.attempt["error"] == "tb1"
