@@ -85,6 +85,8 @@ class Watcher:
                     continue
                 cfg = protocol.read_json(protocol.task_config_path(task["task_dir"])) or {}
                 attempt = attempts[-1]
+                if not self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
+                    break  # a slow cycle outlived the lease and another watcher took over: it acts now
                 try:
                     self._finish_planned(exp, task, attempts, observations)
                     self._check_hang(exp, task, attempt, cfg)
@@ -98,7 +100,7 @@ class Watcher:
     def _lease(self, exp: dict) -> bool:
         name = lease_name(exp["id"])
         before = self.ledger.lease(name)
-        if not self.ledger.acquire_lease(name, self.owner, max(30.0, 4 * self.interval_s)):
+        if not self.ledger.acquire_lease(name, self.owner, self._ttl()):
             if exp["id"] not in self._refused:
                 self._refused.add(exp["id"])
                 log.warning("%s is watched by %s; this watcher only records", exp["id"], before["owner"] if before else "another watcher")
@@ -106,6 +108,9 @@ class Watcher:
         if not before or before["owner"] != self.owner:
             self.ledger.event(exp["id"], "watcher.lease", f"watcher {self.owner} acts for this experiment")
         return True
+
+    def _ttl(self) -> float:
+        return max(30.0, 4 * self.interval_s)
 
     def _node_states(self, executor: str) -> dict[str, str]:
         try:
