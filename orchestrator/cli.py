@@ -266,12 +266,13 @@ def cmd_watch(args) -> int:
             watcher.watch(ledger, [exp["id"]], args.interval, once=True)
             return 0
         return _wait(ledger, exp["id"], False, args.interval)
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {}  # events already printed; history before the watcher started is not repeated
 
     def show(ids):
         for exp_id in ids:
             events = ledger.events(exp_id)
-            for e in events[seen.get(exp_id, len(events) if not args.once else 0):]:
+            start = seen.setdefault(exp_id, 0 if args.once else len(events))
+            for e in events[start:]:
                 print(f"{exp_id} {render.event_line(e)}", flush=True)
             seen[exp_id] = len(events)
 

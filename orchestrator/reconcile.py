@@ -100,6 +100,21 @@ def stopped_by_scheduler(launch: LaunchRecord | None, obs: Observation | None) -
     )
 
 
+SCHEDULER_VERDICT_WAIT_S = 600.0  # after that, a launch stopped by SIGTERM with no word from SLURM counts as cancelled
+
+
+def awaits_scheduler(launch: LaunchRecord | None, obs: Observation | None, now: float) -> bool:
+    """A launch whose ranks were stopped by a SIGTERM is decided only once the scheduler
+    says how its run ended (or after SCHEDULER_VERDICT_WAIT_S without a word)."""
+    return (
+        launch is not None
+        and launch.ended
+        and launch.exit_code == ExitCode.CANCELLED
+        and not (obs is not None and obs.state.ended)
+        and now - (launch.ended_at or 0) < SCHEDULER_VERDICT_WAIT_S
+    )
+
+
 def decide(attempt: dict, launch: LaunchRecord | None, obs: Observation | None) -> Decision:
     """The attempt's new columns and the task's new state (None: unchanged)."""
     d = Decision()

@@ -6,7 +6,7 @@ and the watcher carries the decision out. Every case is unit-tested.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import tenacity
 
@@ -80,7 +80,6 @@ class Recovery:
     cause: str = ""
     exclude: tuple[str, ...] = ()
     delay_s: float = 0.0
-    detail: dict = field(default_factory=dict)
 
 
 def backoff_s(recovery_number: int, initial: float, maximum: float) -> float:

@@ -195,17 +195,10 @@ def refresh(
             ingest.ingest_restarts(ledger, exp_id, idx, attempt, current, item.task["task_dir"])
         if AttemptState(attempt["state"]).ended and (current is None or not current.ended):
             continue  # already decided; nothing newer to say
-        if (
-            current is not None and current.ended and current.exit_code == ExitCode.CANCELLED
-            and item.exp["executor"] != "local" and not reconcile.stopped_by_scheduler(current, obs)
-            and not (obs is not None and obs.state.ended) and time.time() - (current.ended_at or 0) < SCHEDULER_VERDICT_WAIT_S
-        ):
+        if item.exp["executor"] != "local" and reconcile.awaits_scheduler(current, obs, time.time()):
             continue  # stopped by a SIGTERM: scancel, or SLURM's node failure, preemption, time limit? SLURM's record tells
         _apply(ledger, exp_id, idx, attempt, reconcile.decide(attempt, launches[-1] if launches else None, obs))
     return observations if answered else None
-
-
-SCHEDULER_VERDICT_WAIT_S = 600.0  # after that, a launch stopped by SIGTERM with no word from SLURM counts as cancelled
 
 
 def _newer_launches(launches: list, attempt: dict) -> list:

@@ -154,9 +154,10 @@ class Watcher:
     def _recover(self, exp, task, attempts, cfg, observations, node_states) -> None:
         attempt = attempts[-1]
         idx = task["idx"]
-        if any(a["attempt"] == attempt["number"] for a in self.ledger.actions(exp["id"], idx)):
+        actions = self.ledger.actions(exp["id"], idx)
+        if any(a["attempt"] == attempt["number"] for a in actions):
             return
-        recoveries = sum(1 for a in self.ledger.actions(exp["id"], idx) if a["kind"] != "fail")
+        recoveries = sum(1 for a in actions if a["kind"] != "fail")
         obs = observations.get(attempt["job_id"])
         pending_again = obs is not None and obs.state == AttemptState.PENDING and exp["executor"] == "slurm"
         launch = next((l for l in ingest.read_launches(task["task_dir"]) if l.key == attempt["launch"]), None)
@@ -187,9 +188,12 @@ class Watcher:
             sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
         else:
             new_job = sched.resubmit(Path(exp["run_dir"]), idx, detail["exclude"], detail["delay_s"], detail["tag"])
-            _fault_point("after-resubmit-submitted")
             self.ledger.add_attempt(exp["id"], idx, new_job, f"{cause} (new job {new_job})")
             done["new_job_id"] = new_job
+        self._done(exp, idx, attempt, detail, done, cause)
+
+    def _done(self, exp, idx, attempt, detail, done, cause) -> None:
+        """The action is taken: record it, and the nodes the next run is kept off."""
         with self.ledger.tx():
             self.ledger.db["attempts"].update((exp["id"], idx, attempt["number"]), {"exclude": ",".join(detail["exclude"]) or None})
             self.ledger.finish_action(exp["id"], idx, attempt["number"], done, cause)
@@ -208,9 +212,7 @@ class Watcher:
                 if newer or (obs is not None and obs.state in (AttemptState.PENDING, AttemptState.RUNNING)):
                     if obs is not None and obs.state == AttemptState.PENDING:
                         sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
-                    with self.ledger.tx():
-                        self.ledger.db["attempts"].update((exp["id"], task["idx"], attempt["number"]), {"exclude": ",".join(detail["exclude"]) or None})
-                        self.ledger.finish_action(exp["id"], task["idx"], attempt["number"], {}, cause + ": it had been requeued")
+                    self._done(exp, task["idx"], attempt, detail, {}, cause + ": it had been requeued")
                     continue
             elif action["kind"] == "resubmit":
                 job = sched.find_submission(Path(exp["run_dir"]), detail["tag"], action["created_at"])
