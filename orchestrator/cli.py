@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("experiment")
     sp.add_argument("--json", action="store_true")
 
-    sp = sub.add_parser("ckpt", help="list, verify and prune sharded checkpoints")
+    sp = sub.add_parser("ckpt", help="list, verify, prune and consolidate sharded checkpoints")
     ck = sp.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     c = ck.add_parser("list", help="every checkpoint: step, engine, world size, size, committed, verified")
     c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoint folder")
@@ -421,7 +421,8 @@ def cmd_ckpt(args) -> int:
 
     home = service.home_dir(args.home)
     if args.ckpt_command == "consolidate":
-        from .consolidate import consolidate
+        from train_entry.consolidate import ConsolidateError, consolidate
+
         from .units import parse_bytes
 
         try:
@@ -429,7 +430,10 @@ def cmd_ckpt(args) -> int:
         except ValueError as exc:
             raise UserError(f"--max-shard-size: {exc}") from None
         folder = _one_checkpoint(args.path, good_only=True)
-        done = consolidate(folder, args.out, args.dtype, args.format, max_bytes)
+        try:
+            done = consolidate(folder, args.out, args.dtype, args.format, max_bytes)
+        except ConsolidateError as exc:
+            raise UserError(str(exc)) from None
         print(f"{done['tensors']} tensors ({done['bytes'] / 1e6:,.1f} MB {done['dtype']}) of step {done['step']} "
               f"in {len(done['files'])} file(s) in {done['out']} ({done['seconds']} s)")
         return 0

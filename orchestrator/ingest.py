@@ -84,7 +84,7 @@ def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
                 rec.node_records.append(r)
         rec.generations = protocol.generation_ends(d)
         final = max((r.get("generation", 0) for r in rec.node_records), default=len(rec.generations))
-        for f in sorted(d.glob("rank-*.error.json")):
+        for f in sorted(d.glob("*.error.json")):  # the ranks', and a job step's (the consolidation)
             # an error of a generation that was restarted is history, not this launch's end
             if (e := protocol.read_json(f)) is not None and e.get("generation", 0) == final:
                 rec.errors.append(e)

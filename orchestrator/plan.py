@@ -10,6 +10,7 @@ from typing import Any
 from . import deepspeed_config, protocol
 from .spec import Resources, Spec
 from .sweep import TaskSpec
+from .units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executo
             params=t.params,
             task_dir=str(tdir),
         )
+        if t.spec.checkpoint.consolidate is not None:
+            config["checkpoint"]["consolidate"]["max_shard_bytes"] = parse_bytes(t.spec.checkpoint.consolidate.max_shard_size)
         if t.spec.engine.kind == "deepspeed":
             config["deepspeed_config"] = deepspeed_config.render(t.spec)
         planned.append(PlannedTask(t.index, t.params, tdir, config, t.spec))

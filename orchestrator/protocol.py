@@ -101,6 +101,16 @@ def events_path(tdir: str | os.PathLike) -> Path:
     return Path(tdir) / "events.jsonl"
 
 
+def weights_dir(tdir: str | os.PathLike) -> Path:
+    """Full weights consolidated from the final checkpoint (``checkpoint.consolidate``)."""
+    return Path(tdir) / "weights"
+
+
+def step_error_path(tdir: str | os.PathLike, launch: str, step: str) -> Path:
+    """Where a job step other than the ranks (the consolidation) records why it failed."""
+    return launches_dir(tdir) / launch / f"{step}.error.json"
+
+
 def checkpoints_dir(tdir: str | os.PathLike) -> Path:
     return Path(tdir) / "checkpoints"
 

@@ -142,7 +142,10 @@ def decide(attempt: dict, launch: LaunchRecord | None, obs: Observation | None) 
             reason = f"{reason} ({launch.generations[-1].get('decision')})"
         err = launch.root_error
         if err and state not in (AttemptState.COMPLETED, AttemptState.REQUEUED):
-            reason = f"{reason}: rank {err.get('rank')} raised {err.get('type')}: {err.get('message', '')}"[:500]
+            if err.get("where"):  # a job step after training (the consolidation), not a rank
+                reason = f"{err['where']} failed: {err.get('message', '')}"[:500]
+            else:
+                reason = f"{reason}: rank {err.get('rank')} raised {err.get('type')}: {err.get('message', '')}"[:500]
             d.attempt["error"] = err.get("traceback")
         d.attempt.update(state=state.value, exit_code=code, ended_at=launch.ended_at, reason=reason)
         d.cause = f"launch {launch.key} ended: {reason}"

@@ -24,7 +24,7 @@ from pydantic import (
 
 from . import yamlsrc
 from .errors import SpecError, SpecIssue, UserError
-from .units import parse_memory_mb, parse_slurm_time
+from .units import parse_bytes, parse_memory_mb, parse_slurm_time
 
 
 class Strict(BaseModel):
@@ -337,6 +337,21 @@ class Sweep(Strict):
     max_parallel: int | None = Field(None, ge=1, description="At most this many tasks run at once (the array's `%P`).")
 
 
+class Consolidate(Strict):
+    """Full weights from the final checkpoint, written by the job once training is done."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of floating-point weights (fp32: the master weights as trained).")
+    format: Literal["safetensors", "torch"] = Field("safetensors", description="`safetensors` shards plus index, or `torch` (`pytorch_model*.bin`).")
+    max_shard_size: str = Field("5GB", description="Largest output file, e.g. `5GB`, `500MB`; also about the memory it takes.")
+    timeout_min: float = Field(120, gt=0, description="The consolidation step is stopped (and the task failed) after this long.")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_bytes(v)  # raises ValueError with the accepted forms
+        return v
+
+
 class Checkpoint(Strict):
     every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")
     every_minutes: float | None = Field(None, gt=0, description="Save when this much time passed since the last save.")
@@ -357,6 +372,11 @@ class Checkpoint(Strict):
         None,
         description="Where to start when the task has no checkpoint of its own: a committed checkpoint folder "
         "(`.../checkpoints/step-N`), or a `checkpoints` folder (its newest that verifies). It may come from another world size.",
+    )
+    consolidate: Consolidate | None = Field(
+        None,
+        description="When set, the last step is saved and the job then writes full weights from it into the task's "
+        "`weights/` folder (as `orchestrate ckpt consolidate` does), recorded in the ledger; e.g. `{dtype: bf16}`.",
     )
 
 

@@ -59,6 +59,14 @@ def wait_experiment(home: Path, exp_id: str, states, timeout: float = 240) -> di
         time.sleep(1)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -110,6 +110,10 @@ def node_main(task_dir: str) -> int:
             time.sleep(min(RESTART_BACKOFF_MAX_S, 2.0**generation))
             generation += 1
     code, codes, first_failed = result
+    if code == ExitCode.OK and ctx.node_rank == 0 and cfg.get("checkpoint", {}).get("consolidate"):
+        from . import weights_step
+
+        code = weights_step.run(cfg, tdir, launch, generation, flags.signals)
 
     protocol.atomic_write_json(
         ldir / f"node-{ctx.node_rank}.json",

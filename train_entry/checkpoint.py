@@ -107,6 +107,7 @@ class Checkpointer:
         self.engine_kind = cfg["engine"]["kind"]
         self.last_save_time = time.time()
         self.pending = None  # an async save: (step, tmp, future, blocked_s, started)
+        self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
 
     # ------------------------------------------------------------ save
 
@@ -187,6 +188,7 @@ class Checkpointer:
             final = protocol.commit_checkpoint(tmp, manifest)
             self._retain()
         dist.barrier()  # nobody moves on (or exits) before the commit
+        self.committed_step = step
         return {"step": step, "blocked_s": blocked, "total_s": time.perf_counter() - t0, "folder": str(final or "")}
 
     def _retain(self) -> None:

@@ -84,7 +84,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
     step = 0
     if resume.folder is not None:
         ckpt.load(resume)
-        step = resume.step
+        step = ckpt.committed_step = resume.step
     resume.report(hb)
     mb, accum = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"]
     sampler = Sampler(len(workload.dataset), cfg["seed"], mb, accum, ctx.world_size, ctx.rank)
@@ -132,6 +132,9 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
             saved(ckpt.save(step, {"launch": ctx.launch}), "scheduled")
         hb.beat(step, "train")
     saved(ckpt.finish_pending(), "asynchronous")
+    if cfg["checkpoint"].get("consolidate") and ckpt.committed_step != step:
+        hb.beat(step, "saving", force=True)  # the weights the job's consolidation step writes out
+        saved(ckpt.save(step, {"launch": ctx.launch}, final=True), "the final step, for consolidation")
     hb.beat(step, "done", force=True)
     return last_loss
 

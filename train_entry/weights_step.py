@@ -1,0 +1,100 @@
+"""The job's last step when the spec sets ``checkpoint.consolidate``: full weights from the
+final checkpoint into the task's ``weights/`` folder.
+
+Node 0's agent runs it once every rank finished, as its own process (the ranks' memory is
+free by then), under a timeout, and stops it on SIGTERM. What happens is told to the
+ledger through the task's events file; a failure is the launch's failure, named, and not
+retried (the committed checkpoint stays: ``orchestrate ckpt consolidate`` does it by hand).
+Safe to run again: weights already made from the same checkpoint are kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator import protocol
+from orchestrator.protocol import ExitCode
+
+from .consolidate import RECORD
+
+TERM_GRACE_S = 10.0
+
+
+def run(cfg: dict, tdir: Path, launch: str, generation: int, signals: list[int]) -> int:
+    opts = cfg["checkpoint"]["consolidate"]
+
+    def event(kind: str, cause: str, **extra) -> None:
+        protocol.append_jsonl(protocol.events_path(tdir), {"event": kind, "cause": cause, "launch": launch,
+                                                           "generation": generation, "time": time.time(), **extra})
+
+    def failed(why: str) -> int:
+        event("weights.failed", why)
+        protocol.atomic_write_json(
+            protocol.step_error_path(tdir, launch, "consolidate"),
+            {"where": "the consolidation step", "exit_code": int(ExitCode.USER_ERROR), "type": "ConsolidationFailed",
+             "message": why, "generation": generation, "time": time.time()},
+        )
+        return ExitCode.USER_ERROR
+
+    out = protocol.weights_dir(tdir)
+    found = protocol.committed_checkpoints(tdir)
+    if not found:  # the built-in loop always saves its last step; a script may not have saved at all
+        return failed("no committed checkpoint to consolidate")
+    step, folder = found[0]
+    done = protocol.read_json(out / RECORD)
+    if done and done.get("source") == str(folder.resolve()):
+        event("weights.consolidated", f"{out} already holds the weights of step {step}", folder=str(out))
+        return ExitCode.OK
+    tmp = tdir / f".weights-{launch}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    argv = [sys.executable, "-m", "train_entry.consolidate", str(folder), "--out", str(tmp), "--dtype", opts["dtype"],
+            "--format", opts["format"], "--max-shard-bytes", str(opts["max_shard_bytes"])]
+    event("weights.consolidating", f"step {step} ({folder.name}) into {out}: {opts['dtype']} {opts['format']}")
+    log = tdir / "logs" / "consolidate.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    timeout = opts["timeout_min"] * 60
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, cwd=str(tdir))
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            stop = any(s in (signal.SIGTERM, signal.SIGINT) for s in signals)
+            if stop or time.monotonic() > deadline:
+                proc.terminate()
+                try:
+                    proc.wait(TERM_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                shutil.rmtree(tmp, ignore_errors=True)
+                if stop:
+                    event("weights.failed", "the consolidation was stopped by a signal; the next launch does it again")
+                    return ExitCode.CANCELLED
+                return failed(f"the consolidation took longer than checkpoint.consolidate.timeout_min ({opts['timeout_min']} min); see {log}")
+            time.sleep(0.5)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return failed(f"{_last_error(log)} (exit {proc.returncode}; see {log})")
+    summary = protocol.read_json(tmp / RECORD) or {}
+    if out.exists():  # weights of an older checkpoint: replaced only once the new ones are whole
+        old = tdir / f".weights-old-{launch}"
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(out)
+    event("weights.consolidated", f"step {step} -> {out}: {summary.get('tensors')} tensors, {summary.get('bytes', 0) / 1e6:,.1f} MB "
+          f"{opts['dtype']} in {len(summary.get('files', []))} file(s)", folder=str(out), bytes=summary.get("bytes"))
+    return ExitCode.OK
+
+
+def _last_error(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "the consolidation failed"
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return (errors or lines or ["the consolidation failed"])[-1][:500]
