@@ -27,7 +27,8 @@ def sacct_states(job: str) -> dict:
 
 
 def test_two_nodes_by_two_ranks_trains_and_the_ledger_shows_both_nodes(slurm, home, tmp_path):
-    args = ["configs/quickstart.yaml", "--set", "steps=60", "--set", "resources.nodes=2", "--set", "heartbeat.interval_s=1"]
+    args = ["configs/quickstart.yaml", "--set", "steps=60", "--set", "resources.nodes=2", "--set", "heartbeat.interval_s=1",
+            "--set", "checkpoint.consolidate={dtype: bf16}"]
     exp = submit_wait(home, *args)
     (task,) = exp["tasks"]
     assert exp["state"] == task["state"] == "COMPLETED" and task["step"] == 60, exp
@@ -39,6 +40,11 @@ def test_two_nodes_by_two_ranks_trains_and_the_ledger_shows_both_nodes(slurm, ho
     assert sacct_states(task["job_id"]) == {task["job_id"]: "COMPLETED"}
     (attempt,) = ledger.attempts(exp["id"], 0)
     assert attempt["state"] == "COMPLETED" and len(attempt["nodes"].split(",")) == 2
+    # the job's last step: full weights of step 60, told to the ledger before the task completed
+    weights = Path(exp["run_dir"]) / "tasks" / "0" / "weights"
+    assert json.loads((weights / "consolidated.json").read_text())["step"] == 60 and (weights / "model.safetensors").is_file()
+    kinds = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 0]
+    assert kinds.index("weights.consolidating") < kinds.index("weights.consolidated") < len(kinds) - kinds[::-1].index("task.state") - 1
     # what was submitted is exactly what --dry-run prints for the same spec
     plan = make_plan(args[0], [a for a in args[1:] if a != "--set"], "slurm", home)
     plan = plan.__class__(**{**plan.__dict__, "experiment_id": exp["id"], "run_dir": Path(exp["run_dir"])})
