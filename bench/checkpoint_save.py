@@ -1,0 +1,160 @@
+"""Checkpoint save: our sharded, committed save (DCP + sha256 manifest + fsync), against
+the disk's own write speed (`dd ... conv=fdatasync`, the physical limit) and `torch.save`
+of the same state to one file (plus fsync), in the same run; and how long training is
+blocked by an asynchronous save.
+
+    python bench/checkpoint_save.py [--model-gb 0.5] [--repeats 3] [--json]
+
+Two ranks on gloo, a DDP model of --model-gb fp32 weights after one AdamW step: the
+checkpoint holds the weights and both AdamW states (about 3x --model-gb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine, stats  # noqa: E402
+
+WIDTH = 2048
+
+
+def _cfg(task_dir: Path, asynchronous: bool) -> dict:
+    return {
+        "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2, "async_save": asynchronous, "verify": "sha256"},
+        "engine": {"kind": "ddp", "precision": "fp32", "find_unused_parameters": False},
+        "optimizer": {"name": "adamw", "lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.0, "grad_clip": None},
+        "task_dir": str(task_dir),
+    }
+
+
+def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    from torch import distributed as dist
+
+    from train_entry.checkpoint import Checkpointer
+    from train_entry.engines.ddp import DDPEngine
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    n = max(1, int(model_gb * 1024**3 / (WIDTH * WIDTH * 4)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n)])
+    base = Path(workdir)
+    engine = DDPEngine(_cfg(base, False), model, torch.device("cpu"))
+    engine.micro_step(torch.randn(2, WIDTH), None, lambda out, _t: out.pow(2).mean(), 1, True)
+    engine.optimizer_step(1e-4)
+    rows = {"ours_sync": [], "ours_async_blocked": [], "ours_async_total": [], "torch_save": [], "bytes": []}
+    step = 0
+    for _ in range(repeats):
+        for asynchronous in (False, True):
+            step += 1
+            tdir = base / ("async" if asynchronous else "sync")
+            ck = Checkpointer(_cfg(tdir, asynchronous), tdir, rank, world, engine)
+            dist.barrier()
+            t0 = time.perf_counter()
+            info = ck.save(step, {})
+            blocked = time.perf_counter() - t0
+            if asynchronous:
+                info = ck.finish_pending()
+            total = time.perf_counter() - t0
+            if rank == 0:
+                if asynchronous:
+                    rows["ours_async_blocked"].append(blocked)
+                    rows["ours_async_total"].append(total)
+                else:
+                    rows["ours_sync"].append(total)
+                    rows["bytes"].append(sum(p.stat().st_size for p in Path(info["folder"]).rglob("*") if p.is_file()))
+            dist.barrier()
+        # the peer: what a DDP user writes by hand, rank 0 saving everything to one file
+        if rank == 0:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            target = base / "torch_save.pt"
+            t0 = time.perf_counter()
+            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+            with open(target, "wb") as fh:
+                torch.save({"model": model_sd, "optim": optim_sd}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            rows["torch_save"].append(time.perf_counter() - t0)
+            target.unlink()
+        dist.barrier()
+    if rank == 0:
+        (base / "rows.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def dd_seconds(path: Path, nbytes: int) -> float:
+    """The disk's sequential write speed with the data on disk at the end."""
+    block = 8 * 1024**2
+    argv = ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={max(1, nbytes // block)}", "conv=fdatasync", "status=none"]
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True, timeout=1800)
+    took = time.perf_counter() - t0
+    path.unlink()
+    return took * nbytes / (max(1, nbytes // block) * block)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-gb", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default="/tmp/bench-ckpt-save")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    base = Path(args.workdir)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(2, args.model_gb, args.repeats, str(base), 29655), nprocs=2, join=True)
+    rows = json.loads((base / "rows.json").read_text())
+    nbytes = int(rows["bytes"][0])
+    dd = [dd_seconds(base / "dd.bin", nbytes) for _ in range(args.repeats)]
+    gb = nbytes / 1e9
+    res = {
+        "machine": machine(), "checkpoint_bytes": nbytes, "model_gb": args.model_gb,
+        "seconds": {"ours_sync": stats(rows["ours_sync"]), "torch_save": stats(rows["torch_save"]), "dd_fdatasync": stats(dd),
+                    "ours_async_blocked": stats(rows["ours_async_blocked"]), "ours_async_total": stats(rows["ours_async_total"])},
+    }
+    med = {k: v["median"] for k, v in res["seconds"].items()}
+    res["gb_per_s"] = {k: round(gb / med[k], 3) for k in ("ours_sync", "torch_save", "dd_fdatasync", "ours_async_total")}
+    res["ratios"] = {
+        "ours_vs_disk": round(med["dd_fdatasync"] / med["ours_sync"], 3),  # fraction of the disk's speed
+        "ours_vs_torch_save": round(med["torch_save"] / med["ours_sync"], 3),  # >1: ours faster
+        "async_blocked_fraction": round(med["ours_async_blocked"] / med["ours_async_total"], 3),
+    }
+    shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(res, indent=2) if args.json else render(res))
+    return 0
+
+
+def render(res: dict) -> str:
+    s, r, g = res["seconds"], res["ratios"], res["gb_per_s"]
+    def row(name, key, extra=""):
+        v = s[key]
+        return f"| {name} | {v['min']:.2f} / {v['median']:.2f} / {v['max']:.2f} | {g.get(key, 0):.2f} | {extra} |"
+    return "\n".join([
+        f"checkpoint of {res['checkpoint_bytes'] / 1e9:.2f} GB (2 ranks, DDP, weights + AdamW states)", "",
+        "| writer | seconds (min / median / max) | GB/s | ratio |", "|---|---|---|---|",
+        row("`dd conv=fdatasync` (the disk)", "dd_fdatasync", "1 (limit)"),
+        row("`torch.save` + fsync, rank 0", "torch_save", "1 (peer)"),
+        row("**ours**: DCP + sha256 manifest + commit", "ours_sync",
+            f"**{r['ours_vs_disk']:.2f}× of the disk; {r['ours_vs_torch_save']:.2f}× torch.save's speed**"),
+        row("ours, async: whole save", "ours_async_total"),
+        f"| ours, async: training blocked | {s['ours_async_blocked']['min']:.2f} / {s['ours_async_blocked']['median']:.2f} / "
+        f"{s['ours_async_blocked']['max']:.2f} | | **{r['async_blocked_fraction']:.1%} of the save** |",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
