@@ -1,0 +1,153 @@
+"""The ledger: heartbeat ingest throughput against SQLite's own insert speed for the same
+rows (the limit), and `orchestrate status` latency with 10,000 tasks in the ledger
+against the CLI's start-up alone (`orchestrate --version`), in the same run.
+
+    python bench/ledger.py [--tasks 10000] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, machine, python, stats  # noqa: E402
+
+RANKS = 8  # per task: 2 nodes of 4 ranks
+LIVE = 100  # tasks whose heartbeats are ingested each cycle
+
+
+def fill(home: Path, tasks: int) -> None:
+    """``tasks`` finished tasks in experiments of 100 (history, as months of use leave it)."""
+    from orchestrator.ledger import Ledger
+    from orchestrator.states import TaskState
+
+    ledger = Ledger.open(home / "ledger.db")
+    per = 100
+    for e in range(tasks // per):
+        exp = f"hist{e:04d}"
+        run = home / "runs" / exp
+        ledger.create_experiment({"id": exp, "name": "history", "executor": "local", "spec_path": "x.yaml", "run_dir": str(run), "spec": "{}"},
+                                 [{"idx": i, "params": {"optimizer.lr": i}, "task_dir": str(run / "tasks" / str(i))} for i in range(per)])
+        with ledger.tx():
+            for i in range(per):
+                n = ledger.add_attempt(exp, i, f"{1000 + e}_{i}", "submitted")
+                ledger.update_attempt(exp, i, n, "ended", state="COMPLETED", exit_code=0, reason="exit 0")
+                ledger.set_task_state(exp, i, TaskState.RUNNING, "started")
+                ledger.set_task_state(exp, i, TaskState.COMPLETED, "launch ended: exit 0")
+                ledger.update_task(exp, i, step=1000, loss=1.0, throughput=1e4)
+    ledger.close()
+
+
+def write_beats(tdir: Path, step: int) -> None:
+    from orchestrator import protocol
+
+    hb = protocol.heartbeat_dir(tdir)
+    hb.mkdir(parents=True, exist_ok=True)
+    for r in range(RANKS):
+        rec = protocol.heartbeat_record(rank=r, local_rank=r % 4, world_size=RANKS, node=f"n{r // 4}", launch="1_0.0", step=step,
+                                        phase="train", step_time_s=0.5)
+        protocol.atomic_write_json(hb / f"rank-{r}.json", rec)
+    protocol.append_jsonl(protocol.metrics_path(tdir), {"step": step, "loss": 1.0, "lr": 1e-4, "throughput": 1e4, "time": time.time()})
+
+
+def ingest_bench(home: Path, repeats: int) -> dict:
+    """Rows per second through ingest_progress (files -> ledger), against sqlite-utils
+    upserting the same rows in one transaction."""
+    from orchestrator import ingest
+    from orchestrator.ledger import Ledger
+
+    ledger = Ledger.open(home / "ledger.db")
+    run = home / "runs" / "live"
+    ledger.create_experiment({"id": "live", "name": "live", "executor": "local", "spec_path": "x.yaml", "run_dir": str(run), "spec": "{}"},
+                             [{"idx": i, "params": {}, "task_dir": str(run / "tasks" / str(i))} for i in range(LIVE)])
+    ours, raw = [], []
+    for k in range(repeats):
+        for i in range(LIVE):
+            write_beats(run / "tasks" / str(i), 10 * (k + 1))
+        t0 = time.perf_counter()
+        for i in range(LIVE):
+            ingest.ingest_progress(ledger, "live", i, run / "tasks" / str(i))
+        ours.append(time.perf_counter() - t0)
+        rows = [{"experiment_id": "raw", "idx": i, "rank": r, "step": k, "phase": "train", "node": "n0", "time": time.time(),
+                 "launch": "x", "step_time_s": 0.5, "generation": 0} for i in range(LIVE) for r in range(RANKS)]
+        t0 = time.perf_counter()
+        with ledger.tx():
+            ledger.db["heartbeats"].upsert_all(rows, pk=("experiment_id", "idx", "rank"))
+            ledger.db["metrics"].insert_all([{"experiment_id": "raw", "idx": i, "step": k, "loss": 1.0, "lr": 1e-4, "throughput": 1e4,
+                                              "time": time.time()} for i in range(LIVE)])
+        raw.append(time.perf_counter() - t0)
+    ledger.close()
+    rows_per_cycle = LIVE * (RANKS + 1)
+    return {"tasks": LIVE, "ranks_per_task": RANKS, "rows_per_cycle": rows_per_cycle,
+            "ours_s": stats(ours), "sqlite_s": stats(raw),
+            "ours_rows_per_s": round(rows_per_cycle / stats(ours)["median"]), "sqlite_rows_per_s": round(rows_per_cycle / stats(raw)["median"])}
+
+
+def cli_seconds(home: Path, *args: str) -> float:
+    t0 = time.perf_counter()
+    out = subprocess.run([python(), "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "ORCHESTRATE_HOME": str(home), "COLUMNS": "200"})
+    took = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"orchestrate {' '.join(args)} failed: {out.stderr[-2000:]}")
+    return took
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", type=int, default=10_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default="/tmp/bench-ledger")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    home = Path(args.workdir)
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    t0 = time.perf_counter()
+    fill(home, args.tasks)
+    filled = time.perf_counter() - t0
+    res = {"machine": machine(), "tasks_in_ledger": args.tasks, "fill_s": round(filled, 1), "ingest": ingest_bench(home, args.repeats)}
+    runs = {"floor": [], "status_newest": [], "status_all_json": []}
+    for _ in range(args.repeats):
+        runs["floor"].append(cli_seconds(home, "--version"))
+        runs["status_newest"].append(cli_seconds(home, "status", "history"))
+        runs["status_all_json"].append(cli_seconds(home, "status", "history", "--all", "--json"))
+    res["status"] = {k: stats(v) for k, v in runs.items()}
+    res["status_ratio_to_floor"] = round(res["status"]["status_newest"]["median"] / res["status"]["floor"]["median"], 2)
+    res["status_all_ratio_to_floor"] = round(res["status"]["status_all_json"]["median"] / res["status"]["floor"]["median"], 2)
+    shutil.rmtree(home, ignore_errors=True)
+    print(json.dumps(res, indent=2) if args.json else render(res))
+    return 0
+
+
+def render(res: dict) -> str:
+    i, s = res["ingest"], res["status"]
+
+    def sec(v):
+        return f"{v['min']:.3f} / {v['median']:.3f} / {v['max']:.3f}"
+    return "\n".join([
+        f"Heartbeat ingest: {i['tasks']} running tasks of {i['ranks_per_task']} ranks, {i['rows_per_cycle']} rows per cycle "
+        "(a heartbeat per rank, a metrics line per task), seconds per cycle (min / median / max):", "",
+        "| path | seconds per cycle | rows/s | ratio |", "|---|---|---|---|",
+        f"| sqlite-utils upsert of the same rows, one transaction (limit) | {sec(i['sqlite_s'])} | {i['sqlite_rows_per_s']:,} | 1 |",
+        f"| **ours**: read the files, ingest, update the tasks | {sec(i['ours_s'])} | {i['ours_rows_per_s']:,} | "
+        f"**{i['ours_rows_per_s'] / i['sqlite_rows_per_s']:.2f}× the limit** |", "",
+        f"`orchestrate status` with {res['tasks_in_ledger']:,} tasks in the ledger (experiments of 100), seconds:", "",
+        "| command | seconds | ratio to start-up |", "|---|---|---|",
+        f"| `orchestrate --version` (Python + imports: the floor) | {sec(s['floor'])} | 1 |",
+        f"| `orchestrate status NAME` (newest experiment, 100 tasks) | {sec(s['status_newest'])} | **{res['status_ratio_to_floor']}×** |",
+        f"| `orchestrate status NAME --all --json` (all {res['tasks_in_ledger']:,} tasks) | {sec(s['status_all_json'])} | "
+        f"**{res['status_all_ratio_to_floor']}×** |",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
