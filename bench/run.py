@@ -33,6 +33,7 @@ BENCHES = {
 }
 NOT_YET = [
     "Submission of a 100-task sweep against `sbatch --array` and submitit's `map_array`",
+    "Overhead again with the per-step agreement on signals made periodic (reverted: see the session note)",
     "Controller load (`sdiag` RPCs per minute) while watching 100 running tasks, against submitit's polling",
     "Recovery split into detection, scheduling, start-up and checkpoint load (in-allocation restart and requeue)",
     "Hang detection latency and false alarms over repeated trials",

@@ -111,15 +111,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------ save
 
-    def due_by_step(self, step: int, total: int) -> bool:
-        """The same answer on every rank without asking the others (a pure function of the step)."""
-        every = self.cfg["every_steps"]
-        return step < total and bool(every) and step % every == 0  # at the end the final save (if any) is separate
-
-    def due_by_time(self, step: int, total: int) -> bool:
-        """This rank's clock: the ranks agree on it at the next all-reduce of the loop."""
-        minutes = self.cfg["every_minutes"]
-        return step < total and bool(minutes) and time.time() - self.last_save_time >= minutes * 60
+    def due(self, step: int, total: int) -> bool:
+        every, minutes = self.cfg["every_steps"], self.cfg["every_minutes"]
+        if step >= total:
+            return False  # the run is over; its weights are what the last checkpoint is for
+        if every and step % every == 0:
+            return True
+        return bool(minutes) and time.time() - self.last_save_time >= minutes * 60
 
     def begin(self, step: int) -> Path:
         """Collective: an empty folder for the shards of step ``step`` (not yet a checkpoint)."""

@@ -60,10 +60,6 @@ def pick_device(cfg: dict, ctx: RankContext):
     return device, backend
 
 
-AGREE_EVERY_S = 0.5  # how often the ranks agree on the checkpoint signal and timed saves
-AGREE_MAX_STEPS = 100
-
-
 class StopRequested(Exception):
     """The checkpoint signal came: the run was saved and asks to be requeued."""
 
@@ -103,8 +99,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
     last_loss = None
     hb.beat(step, "train", force=True)
     window_t0, window_steps = time.perf_counter(), 0
-    stop = torch.zeros(3, dtype=torch.int64)  # signal raised, timed save due, step time in µs
-    agree_at = step + 1
+    stop = torch.zeros(2, dtype=torch.int32)
     while step < total:
         t0 = time.perf_counter()
         lr = lr_at(step, total, cfg["optimizer"], cfg["schedule"])
@@ -123,18 +118,9 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
             now = time.perf_counter()
             hb.metric(step, last_loss, lr, items_per_step * window_steps / max(now - window_t0, 1e-9))
             window_t0, window_steps = now, 0
-        # Every rank learns whether any rank got the signal, or finds a timed save due. That
-        # takes an all-reduce, so it happens about every AGREE_EVERY_S, not every step: on
-        # millisecond steps one per step cost a third of the step time (bench/overhead.py).
-        # The interval comes from the slowest rank's step time, so all ranks pick the same.
-        if step >= agree_at or step == total:
-            stop[0], stop[1] = int(flag.raised), int(ckpt.due_by_time(step, total))
-            stop[2] = max(1, int(hb.step_time_s * 1e6))
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-            agree_at = step + max(1, min(AGREE_MAX_STEPS, int(AGREE_EVERY_S * 1e6 / int(stop[2]))))
-        else:
-            stop[0] = stop[1] = 0
-        stop[1] = int(stop[1]) or int(ckpt.due_by_step(step, total))
+        # every rank learns whether any rank got the signal, and whether a save is due
+        stop[0], stop[1] = int(flag.raised), int(ckpt.due(step, total))
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         saved(ckpt.poll_pending(), "asynchronous")
         if stop[0] and step < total:
             hb.beat(step, "saving", force=True)
