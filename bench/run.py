@@ -33,7 +33,7 @@ BENCHES = {
 }
 NOT_YET = [
     "Submission of a 100-task sweep against `sbatch --array` and submitit's `map_array`",
-    "Overhead again with the per-step agreement on signals made periodic (reverted: see the session note)",
+    "Overhead with the loop as it is on main (the figure below was taken with a periodic agreement on the checkpoint signal, since reverted)",
     "Controller load (`sdiag` RPCs per minute) while watching 100 running tasks, against submitit's polling",
     "Recovery split into detection, scheduling, start-up and checkpoint load (in-allocation restart and requeue)",
     "Hang detection latency and false alarms over repeated trials",
