@@ -81,6 +81,26 @@ def test_damaged_newest_checkpoints_are_skipped_and_the_run_resumes_from_an_olde
     assert min(a) == 6 and all(a[s] == b[s] for s in range(6, 25)), [(s, a[s], b[s]) for s in range(6, 25)]
 
 
+def test_time_based_saves_are_agreed_by_every_rank(home, tmp_path):
+    # the ranks' clocks pass the save time at different steps; a save that one rank starts and
+    # another does not would hang the run (a collective) or commit a half checkpoint
+    spec = write(tmp_path / "timed.yaml", CONSTANT.format(name="timed", steps=80, ranks=2, engine="{kind: ddp}", resume="")
+                 .replace("every_steps: 5, keep_last: 4", "every_steps: null, every_minutes: 0.004, keep_last: 2"))
+    out = cli("submit", str(spec), "--executor", "local", "--wait", "--json", home=home, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    exp = json.loads(out.stdout)["experiments"][0]
+    assert exp["state"] == "COMPLETED", exp
+    commits = [e for e in Ledger.open(home / "ledger.db").events(exp["id"]) if e["kind"] == "checkpoint.committed"]
+    assert len(commits) >= 2 and all("(scheduled)" in e["cause"] for e in commits), commits
+    steps = [int(e["cause"].split()[1]) for e in commits]
+    assert steps == sorted(set(steps)) and steps[-1] < 80, steps
+    tdir = protocol.task_dir(exp["run_dir"], 0)
+    kept = protocol.committed_checkpoints(protocol.checkpoints_dir(tdir).parent)
+    assert [s for s, _ in kept] == steps[::-1][:2], (kept, steps)
+    verify = cli("ckpt", "verify", str(protocol.checkpoints_dir(tdir)), home=home)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
 @pytest.mark.parametrize("engine", ["{kind: ddp}", "{kind: deepspeed, stage: 2}", "{kind: deepspeed, stage: 3}"])
 def test_resume_on_another_world_size(home, tmp_path, engine):
     first = run(home, tmp_path, "two", 20, ranks=2, engine=engine)

@@ -111,12 +111,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------ save
 
-    def due(self, step: int, total: int) -> bool:
-        every, minutes = self.cfg["every_steps"], self.cfg["every_minutes"]
-        if step >= total:
-            return False  # the run is over; its weights are what the last checkpoint is for
-        if every and step % every == 0:
-            return True
+    def due_by_step(self, step: int, total: int) -> bool:
+        """Every rank counts the same steps: no agreement needed."""
+        every = self.cfg["every_steps"]
+        # at the end the run is over; its weights are what the last checkpoint is for
+        return bool(every) and step < total and step % every == 0
+
+    def due_by_time(self) -> bool:
+        """Clocks differ between ranks: the loop acts on this once the ranks have agreed."""
+        minutes = self.cfg["every_minutes"]
         return bool(minutes) and time.time() - self.last_save_time >= minutes * 60
 
     def begin(self, step: int) -> Path:

@@ -71,7 +71,9 @@ class Run:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([int(self._signal.raised)], dtype=torch.int32)
+        # a group of nccl alone reduces device tensors only
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(self._signal.raised)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
