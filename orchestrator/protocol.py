@@ -128,6 +128,12 @@ def generation_stopped_path(ldir: str | os.PathLike, generation: int, node_rank:
     return Path(ldir) / f"gen-{generation}.node-{node_rank}.stopped.json"
 
 
+def generation_dumped_path(ldir: str | os.PathLike, generation: int, node_rank: int) -> Path:
+    """A node's ranks wrote their stacks: no node stops its ranks before every node did,
+    or the survivors of a lost peer would be exiting (not hanging) when they dump."""
+    return Path(ldir) / f"gen-{generation}.node-{node_rank}.dumped.json"
+
+
 def stacks_path(ldir: str | os.PathLike, generation: int, rank: int) -> Path:
     return Path(ldir) / "stacks" / f"gen-{generation}.rank-{rank}.txt"
 

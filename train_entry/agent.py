@@ -274,6 +274,12 @@ class Generation:
             deadline = time.time() + DUMP_WAIT_S
             while time.time() < deadline and any(_size(p) <= before[r] for r, p in stacks.items()):
                 time.sleep(0.05)
+            protocol.atomic_write_json(protocol.generation_dumped_path(self.ldir, self.generation, self.ctx.node_rank),
+                                       {"node": self.ctx.node_name, "time": time.time()})
+            deadline += DUMP_WAIT_S  # then the other nodes' ranks, which die with their peers once these stop
+            while time.time() < deadline and not all(
+                    protocol.generation_dumped_path(self.ldir, self.generation, n).exists() for n in range(self.ctx.nnodes)):
+                time.sleep(0.05)
         _signal_all(procs, codes, signal.SIGTERM)
         _signal_all(procs, codes, signal.SIGCONT)
         deadline = time.time() + TERM_GRACE_S

@@ -27,6 +27,8 @@ from torch import distributed as dist
 from orchestrator import protocol
 
 RNG_DIR = "rng"
+# benchmarks and tests: every save takes this much longer, as on a slow shared filesystem
+SLOW_SAVE_ENV = "ORCHESTRATE_FAULT_SLOW_SAVE_S"
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Resume:
     world_size: int | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder, why)
     cleaned: list[str] = field(default_factory=list)  # leftovers of saves that never committed
+    startup_s: float | None = None  # from the process's start to the load's (imports, process group, model)
+    load_s: float | None = None
 
     def report(self, hb) -> None:
         """Tell the ledger what discovery found (rank 0 writes)."""
@@ -44,7 +48,9 @@ class Resume:
         for folder, why in self.skipped:
             hb.event("checkpoint.skipped", f"{folder}: {why}; trying an older one", folder=folder)
         if self.folder is not None:
-            hb.event("checkpoint.resumed", f"resumed from step {self.step} ({self.folder}, world size {self.world_size})", step=self.step)
+            timing = "" if self.load_s is None else f": loaded in {self.load_s:.2f} s, {self.startup_s:.1f} s after the process started"
+            hb.event("checkpoint.resumed", f"resumed from step {self.step} ({self.folder}, world size {self.world_size}){timing}",
+                     step=self.step, load_s=self.load_s, startup_s=self.startup_s)
 
 
 class CheckpointSignal:
@@ -140,6 +146,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         tmp = self.begin(step)
         future = self.engine.save_state(tmp, asynchronous=self.cfg.get("async_save", False) and not final)
+        time.sleep(float(os.environ.get(SLOW_SAVE_ENV) or 0))
         blocked = time.perf_counter() - t0
         self.last_save_time = time.time()
         if future is not None:

@@ -14,10 +14,12 @@ import sys
 import time
 import traceback
 
-from orchestrator import protocol
-from orchestrator.protocol import ExitCode
+STARTED = time.time()  # the ledger's resume event tells start-up and load time apart (recovery figures)
 
-from .env import RankContext, rank_context
+from orchestrator import protocol  # noqa: E402
+from orchestrator.protocol import ExitCode  # noqa: E402
+
+from .env import RankContext, rank_context  # noqa: E402
 from .heartbeat import Heartbeat, enable_stack_dumps
 
 _INFRA = re.compile(
@@ -109,7 +111,9 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
     torch.manual_seed(cfg["seed"] * 7919 + ctx.rank)  # per-rank dropout streams
     step = 0
     if resume.folder is not None:
+        t0 = time.time()
         ckpt.load(resume)
+        resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0
         step = ckpt.committed_step = resume.step
     resume.report(hb)
     mb, accum = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"]
