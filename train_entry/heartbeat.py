@@ -26,13 +26,16 @@ class Heartbeat:
         self.last = 0.0
         self.step_time_s: float | None = None
         self.step = 0
+        self.phase: str | None = None
 
     def beat(self, step: int, phase: str, force: bool = False) -> None:
         self.step = step
         now = self.clock()
-        if not force and now - self.last < self.interval_s:
+        # a new phase is always written: a rank that hangs right after a save must not
+        # keep the save's longer timeout until its next periodic beat
+        if not force and phase == self.phase and now - self.last < self.interval_s:
             return
-        self.last = now
+        self.last, self.phase = now, phase
         protocol.atomic_write_json(
             self.path,
             protocol.heartbeat_record(
