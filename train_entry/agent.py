@@ -322,11 +322,13 @@ PREEMPT_WAIT_S = 900.0
 def requeue(ctx: NodeContext, cfg: dict, ldir: Path, flags: _Flags, run=subprocess.run) -> int:
     """The ranks saved on the checkpoint signal; put the job back in the queue.
 
-    After a preemption, SLURM requeues the job itself, but only if the job is still
-    running when the grace time ends: a job that exits on its own is just FAILED. So
-    every agent stays until SLURM's SIGTERM, and SLURM's record says PREEMPTED. After
-    a time-limit signal, node 0 runs ``scontrol requeue`` (the record says REQUEUED).
-    The other nodes wait for node 0's decision, so that srun does not stop it halfway.
+    Node 0 runs ``scontrol requeue`` as soon as every rank has saved, after a time-limit
+    signal and after a preemption alike: waiting for SLURM to requeue a preempted job
+    at the end of its grace time kept the nodes idle for all of it (bench/faults.py:
+    twice the time to the resumed step), and a job that exits on its own without the
+    requeue is just FAILED. SLURM's record then says REQUEUED; the ledger keeps the
+    cause. The other nodes wait for node 0's decision, so that srun does not stop it
+    halfway, and every agent stays until SLURM's SIGTERM.
     """
     record = ldir / "requeue.json"
     if ctx.node_rank == 0:
@@ -353,12 +355,9 @@ def _requeue_decision(ctx: NodeContext, cfg: dict, run) -> dict:
     limit = cfg.get("retry", {}).get("max_requeues", 100)
     if ctx.restart_count >= limit:
         return {"by": None, "reason": f"requeue limit reached ({limit})"}
-    # SLURM sets PreemptTime once a preemption began; whether it then requeues is the partition's PreemptMode
+    # SLURM sets PreemptTime once a preemption began
     if scontrol_field("job", ctx.job_id, "PreemptTime", run=run) not in (None, "None", "Unknown"):
-        mode = scontrol_field("partition", os.environ.get("SLURM_JOB_PARTITION", ""), "PreemptMode", run=run) or ""
-        if "REQUEUE" in mode.upper():
-            return {"by": "slurm", "reason": "preempted"}
-        return {"by": "agent", "reason": f"preempted (PreemptMode {mode or 'unknown'}: SLURM would not requeue)"}
+        return {"by": "agent", "reason": "preempted"}
     return {"by": "agent", "reason": "time limit signal"}
 
 
