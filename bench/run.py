@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only consolidate,checkpoint_save,overhead]
+    python bench/run.py [--quick] [--only submission,faults,consolidate,checkpoint_save,overhead,ledger]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -24,21 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import REPO, machine, python  # noqa: E402
 
 BENCHES = {
+    "submission": ("Submission and controller load (local SLURM cluster)", ["--tasks", "100", "--repeats", "2", "--window", "45"],
+                   ["--tasks", "10", "--repeats", "1", "--window", "15"]),
+    "faults": ("Recovery, hangs and preemption (local SLURM cluster)", ["--repeats", "3", "--hangs", "5"],
+               ["--repeats", "1", "--hangs", "2"]),
     "consolidate": ("Consolidating sharded checkpoints into full weights", ["--model-gb", "1.0", "--repeats", "2"],
                     ["--model-gb", "0.1", "--repeats", "1"]),
     "checkpoint_save": ("Checkpoint save", ["--model-gb", "0.5", "--repeats", "3"], ["--model-gb", "0.05", "--repeats", "1"]),
-    "overhead": ("Orchestration overhead on the step time", ["--steps", "300", "--repeats", "2", "--sizes", "1"],
+    "overhead": ("Orchestration overhead on the step time", ["--steps", "300", "--repeats", "3", "--sizes", "1"],
                  ["--steps", "60", "--repeats", "1", "--sizes", "1"]),
     "ledger": ("The ledger", ["--tasks", "10000", "--repeats", "2"], ["--tasks", "500", "--repeats", "1"]),
 }
-NOT_YET = [
-    "Submission of a 100-task sweep against `sbatch --array` and submitit's `map_array`",
-    "Overhead with the loop as it is on main (the figure below was taken with a periodic agreement on the checkpoint signal, since reverted)",
-    "Controller load (`sdiag` RPCs per minute) while watching 100 running tasks, against submitit's polling",
-    "Recovery split into detection, scheduling, start-up and checkpoint load (in-allocation restart and requeue)",
-    "Hang detection latency and false alarms over repeated trials",
-    "Preemption: lost steps and signal-to-resumed-step time against submitit's Checkpointable",
-]
 
 
 def main() -> int:
@@ -47,33 +43,40 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(BENCHES))
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     args = ap.parse_args()
-    results, took = {}, {}
+    saved = Path(args.out).with_name("results.json")
+    # --only reruns some benchmarks; the others keep their last figures (and their dates)
+    old = json.loads(saved.read_text()) if saved.exists() and not args.quick else {}
+    results, took, dates = old.get("results", {}), old.get("took", {}), old.get("dates", {})
+    failed: list[str] = []
     for name in args.only.split(","):
         title, full, quick = BENCHES[name]
         t0 = time.time()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         out = subprocess.run([python(), str(REPO / "bench" / f"{name}.py"), "--json", *(quick if args.quick else full)],
                              cwd=REPO, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
+        if out.returncode != 0:  # the others still run, and what they measured is written
             print(f"bench: {name} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
-            return 1
+            failed.append(name)
+            continue
         results[name] = json.loads(out.stdout[out.stdout.index("{"):])
         took[name] = round(time.time() - t0)
+        dates[name] = str(datetime.date.today())
     m = machine()
     lines = ["# Benchmark results", "",
-             f"Written by `python bench/run.py{' --quick' if args.quick else ''}` on {datetime.date.today()}; "
-             "every ratio compares figures taken in the same run.", "",
+             f"Written by `python bench/run.py{' --quick' if args.quick else ''}`; every ratio compares figures taken in the "
+             "same run of its benchmark.", "",
              f"Machine: {m.get('cpus')} CPUs, {m.get('memory_gb')} GB, {m.get('platform')}; Python {m.get('python')}, "
              f"torch {m.get('torch')}, DeepSpeed {m.get('deepspeed', '-')}. No GPU: CPU and gloo only.", ""]
-    for name, res in results.items():
+    for name in BENCHES:
+        if name not in results:
+            continue
         module = importlib.import_module(f"bench.{name}")
-        lines += [f"## {BENCHES[name][0]}", "", f"`python bench/{name}.py` ({took[name]} s). " + (module.__doc__ or "").split("\n\n")[0].replace("\n", " "), "",
-                  module.render(res), ""]
-    lines += ["## Not measured yet", ""] + [f"- {x}" for x in NOT_YET] + [""]
+        lines += [f"## {BENCHES[name][0]}", "", f"`python bench/{name}.py` ({took.get(name, '?')} s, {dates.get(name, '?')}). "
+                  + (module.__doc__ or "").split("\n\n")[0].replace("\n", " "), "", module.render(results[name]), ""]
     Path(args.out).write_text("\n".join(lines))
-    Path(args.out).with_name("results.json").write_text(json.dumps({"machine": m, "results": results}, indent=2) + "\n")
-    print(f"bench: wrote {args.out}", file=sys.stderr)
-    return 0
+    saved.write_text(json.dumps({"machine": m, "results": results, "took": took, "dates": dates}, indent=2) + "\n")
+    print(f"bench: wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
