@@ -1,5 +1,5 @@
 """Orchestration overhead: step time of a run under `orchestrate` (node agent, heartbeats,
-metrics, the per-step agreement on signals and saves) against the bare training loop
+metrics, the ranks' agreement on signals and timed saves) against the bare training loop
 with the same model, data, engine and optimizer code, in the same run, interleaved.
 
     python bench/overhead.py [--steps 300] [--repeats 3] [--json]
