@@ -141,6 +141,9 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
         step += 1
         window_steps += 1
         hb.step_time_s = time.perf_counter() - t0
+        # what every rank posted one step ago (done by now: it ran during this step), taken before
+        # any other collective of ours, so that none of them ever runs beside it
+        signal, timed = agree.drain()
         if step == 1 or step % every == 0 or step == total:
             loss = torch.stack(losses).mean().float()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -149,9 +152,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
             hb.metric(step, last_loss, lr, items_per_step * window_steps / max(now - window_t0, 1e-9))
             window_t0, window_steps = now, 0
         saved(ckpt.poll_pending(), "asynchronous")
-        # what every rank posted one step ago: acted on now, at the same step on every rank
-        signal, timed = agree.drain()
-        if signal and step < total:
+        if signal and step < total:  # acted on at the same step on every rank
             hb.beat(step, "saving", force=True)
             saved(ckpt.save(step, {"launch": ctx.launch}, final=True), "on the checkpoint signal")
             hb.beat(step, "requeue", force=True)
