@@ -118,3 +118,15 @@ def release_requeued(stop, grace_s: float = 3.0) -> None:
                 time.sleep(grace_s)
                 slurm("scontrol", "update", f"jobid={job}", "StartTime=now", check=False)
         stop.wait(0.5)
+
+
+def wait_for(pred, what: str, timeout: float = 400, interval: float = 0.1, check=None):
+    """pred()'s first value that is not None; ``check()`` may raise to give up early."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (v := pred()) is not None:
+            return v
+        if check is not None:
+            check()
+        time.sleep(interval)
+    raise SystemExit(f"{what} did not happen in {timeout:.0f} s")

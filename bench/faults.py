@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, cancel_all, cluster, machine, python, release_requeued, slurm, stats  # noqa: E402
+from bench.common import REPO, cancel_all, cluster, machine, python, release_requeued, slurm, stats, wait_for  # noqa: E402
 from orchestrator import protocol  # noqa: E402
 
 SPEC = """\
@@ -87,12 +87,7 @@ class Run:
         return protocol.read_json(protocol.heartbeat_path(self.tdir, rank)) or {}
 
     def wait(self, pred, what: str, timeout: float = 400):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if (v := pred()) is not None:
-                return v
-            time.sleep(0.1)
-        raise SystemExit(f"{self.exp_id}: {what} did not happen in {timeout:.0f} s; see {self.log.name}")
+        return wait_for(pred, f"{self.exp_id}: {what} (see {self.log.name})", timeout)
 
     def first_step(self, where) -> dict | None:
         rows = [m for m in self.metrics() if where(m)]
@@ -241,15 +236,12 @@ def preemption_submitit(work: Path, cfg_path: Path) -> dict:
     def rows():
         return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
+    def ended():
+        if job.done() and job.state not in ("PENDING", "RUNNING", "REQUEUED", "PREEMPTED"):
+            raise SystemExit(f"submitit peer ended {job.state}: {job.stderr() or ''}"[-3000:])
+
     def wait(pred, what, timeout=400):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if (v := pred()) is not None:
-                return v
-            if job.done() and job.state not in ("PENDING", "RUNNING", "REQUEUED", "PREEMPTED"):
-                raise SystemExit(f"submitit peer ended {job.state}: {job.stderr() or ''}"[-3000:])
-            time.sleep(0.1)
-        raise SystemExit(f"submitit peer: {what} did not happen in {timeout:.0f} s")
+        return wait_for(pred, f"submitit peer: {what}", timeout, check=ended)
 
     try:
         at = EVERY + 50 + random.randrange(EVERY)

@@ -67,16 +67,15 @@ def pick_device(cfg: dict, ctx: RankContext):
 
 class Agreement:
     """Ranks agree on the checkpoint signal and on time-based saves one step late, through an
-    all-reduce that runs during the next step: waiting for one every step cost a sixth to a
-    third of a 40 ms step on gloo. Step-based saves need no agreement (every rank counts)."""
+    all-reduce that runs during the next step: waiting for one every step cost about 4 % of a
+    40 ms step on gloo. Step-based saves need no agreement (every rank counts)."""
 
-    def __init__(self, dist):
-        self.dist, self.buf, self.work = dist, None, None
+    def __init__(self, dist, torch):
+        self.dist, self.work = dist, None
+        self.buf = torch.zeros(2, dtype=torch.int32)  # reused: drain() waits before the next post
 
     def post(self, signal: bool, timed_save: bool) -> None:
-        import torch
-
-        self.buf = torch.tensor([int(signal), int(timed_save)], dtype=torch.int32)
+        self.buf[0], self.buf[1] = int(signal), int(timed_save)
         self.work = self.dist.all_reduce(self.buf, op=self.dist.ReduceOp.MAX, async_op=True)
 
     def drain(self) -> tuple[bool, bool]:
@@ -129,7 +128,7 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
     last_loss = None
     hb.beat(step, "train", force=True)
     window_t0, window_steps = time.perf_counter(), 0
-    agree = Agreement(dist)
+    agree = Agreement(dist, torch)
     while step < total:
         t0 = time.perf_counter()
         lr = lr_at(step, total, cfg["optimizer"], cfg["schedule"])
