@@ -29,21 +29,21 @@ ROWS, COLS = 2048, 2048  # 16 MiB per fp32 weight
 
 
 def _commit(tmp: Path, engine: str, state_format: str, world: int) -> Path:
-    from orchestrator import protocol
+    from orchestrator import contract
 
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": protocol.file_sha256(p)} for p in tmp.rglob("*") if p.is_file()}
-    return protocol.commit_checkpoint(tmp, {"step": 1, "engine": engine, "world_size": world, "state_format": state_format, "files": files})
+    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": contract.file_sha256(p)} for p in tmp.rglob("*") if p.is_file()}
+    return contract.commit_checkpoint(tmp, {"step": 1, "engine": engine, "world_size": world, "state_format": state_format, "files": files})
 
 
 def make_dcp(base: Path, model_gb: float) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from orchestrator import protocol
+    from orchestrator import contract
 
     tdir = base / "dcp-task"
     shutil.rmtree(tdir, ignore_errors=True)
-    tmp = protocol.checkpoint_tmp(tdir, 1)
+    tmp = contract.checkpoint_tmp(tdir, 1)
     n = max(1, int(model_gb * 1024**3 / (ROWS * COLS * 4)))
     g = torch.Generator().manual_seed(0)
     model = {f"layers.{i}.weight": torch.randn(ROWS, COLS, generator=g) for i in range(n)}
@@ -86,11 +86,11 @@ def _zero_rank(rank: int, world: int, stage: int, model_gb: float, tmp: str, por
 def make_zero(base: Path, model_gb: float, stage: int) -> Path:
     import torch.multiprocessing as mp
 
-    from orchestrator import protocol
+    from orchestrator import contract
 
     tdir = base / f"zero{stage}-task"
     shutil.rmtree(tdir, ignore_errors=True)
-    tmp = protocol.checkpoint_tmp(tdir, 1)
+    tmp = contract.checkpoint_tmp(tdir, 1)
     tmp.mkdir(parents=True)
     mp.spawn(_zero_rank, args=(2, stage, model_gb, str(tmp), 29611 + stage), nprocs=2, join=True)
     return _commit(tmp, "deepspeed", "deepspeed", 2)

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import REPO, cancel_all, cluster, machine, python, release_requeued, slurm, stats, wait_for  # noqa: E402
-from orchestrator import protocol  # noqa: E402
+from orchestrator import contract  # noqa: E402
 
 SPEC = """\
 name: {name}
@@ -60,7 +60,7 @@ class Run:
         spec.write_text(SPEC.format(name=name, hb=hb, res=res, every=EVERY))
         self.exp_id = self.cli("submit", str(spec), "--executor", "slurm").strip().splitlines()[-1]
         exp = json.loads(self.cli("status", self.exp_id, "--json"))["experiments"][0]
-        self.tdir = protocol.task_dir(exp["run_dir"], 0)
+        self.tdir = contract.task_dir(exp["run_dir"], 0)
         self.log = open(work / f"watch-{name}.log", "w")
         self.watcher = subprocess.Popen([python(), "-m", "orchestrator", "watch", self.exp_id, "--interval", "1"], cwd=REPO,
                                         env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -73,10 +73,10 @@ class Run:
         return out.stdout
 
     def metrics(self) -> list[dict]:
-        return protocol.read_jsonl_from(protocol.metrics_path(self.tdir), 0)[0]
+        return contract.read_jsonl_from(contract.metrics_path(self.tdir), 0)[0]
 
     def events(self) -> list[dict]:
-        return protocol.read_jsonl_from(protocol.events_path(self.tdir), 0)[0]
+        return contract.read_jsonl_from(contract.events_path(self.tdir), 0)[0]
 
     def ledger_events(self) -> list[dict]:
         from orchestrator.ledger import Ledger
@@ -84,7 +84,7 @@ class Run:
         return Ledger.open(self.home / "ledger.db").events(self.exp_id)
 
     def heartbeat(self, rank: int) -> dict:
-        return protocol.read_json(protocol.heartbeat_path(self.tdir, rank)) or {}
+        return contract.read_json(contract.heartbeat_path(self.tdir, rank)) or {}
 
     def wait(self, pred, what: str, timeout: float = 400):
         return wait_for(pred, f"{self.exp_id}: {what} (see {self.log.name})", timeout)
@@ -103,7 +103,7 @@ class Run:
 
 
 def cold_start(run: Run, launch: str) -> float:
-    start = protocol.read_json(protocol.launches_dir(run.tdir) / launch / "start.json")
+    start = contract.read_json(contract.launches_dir(run.tdir) / launch / "start.json")
     first = run.first_step(lambda m: m["launch"] == launch and m.get("generation", 0) == 0)
     return first["time"] - start["time"]
 
@@ -127,7 +127,7 @@ def recovery_trial(work: Path, n: int) -> tuple[dict, dict]:
         os.kill(victim["pid"], signal.SIGKILL)
         first = run.wait(lambda: run.first_step(lambda m: m["launch"] == launch and m.get("generation") == 1), "the restart's first step")
         res = resumed_event(run, launch, 1)
-        end = protocol.read_json(protocol.generation_end_path(protocol.launches_dir(run.tdir) / launch, 0))
+        end = contract.read_json(contract.generation_end_path(contract.launches_dir(run.tdir) / launch, 0))
         spawned = res["time"] - res["load_s"] - res["startup_s"]
         last = max(m["step"] for m in run.metrics() if m["launch"] == launch and m.get("generation", 0) == 0)
         lost = last - res["step"]
@@ -147,7 +147,7 @@ def recovery_trial(work: Path, n: int) -> tuple[dict, dict]:
         new = first2["launch"]
         detected = min(e["time"] for e in run.ledger_events()
                        if e["time"] >= t_down and e["kind"] == "attempt.state" and e["old_state"] == "RUNNING")
-        start = protocol.read_json(protocol.launches_dir(run.tdir) / new / "start.json")
+        start = contract.read_json(contract.launches_dir(run.tdir) / new / "start.json")
         res2 = resumed_event(run, new, 0)
         last2 = max(m["step"] for m in run.metrics() if m["launch"] == launch)
         lost2 = last2 - res2["step"]
@@ -210,12 +210,12 @@ def preemption_ours(work: Path, n: int) -> tuple[dict, Path]:
         t_p = preempt()
         first = run.wait(lambda: run.first_step(lambda m: m["launch"] != launch), "the requeued run's first step")
         res = resumed_event(run, first["launch"], 0)
-        start = protocol.read_json(protocol.launches_dir(run.tdir) / first["launch"] / "start.json")
+        start = contract.read_json(contract.launches_dir(run.tdir) / first["launch"] / "start.json")
         last = max(m["step"] for m in run.metrics() if m["launch"] == launch)
         saved = [e["time"] for e in run.events() if e.get("event") == "checkpoint.committed" and e["time"] >= t_p]
         return ({"lost_steps": last - res["step"], "total": first["time"] - t_p, "saved": (saved[0] - t_p) if saved else None,
                  "queue": start["time"] - t_p, "restart": first["time"] - start["time"]},
-                protocol.task_config_path(run.tdir))
+                contract.task_config_path(run.tdir))
     finally:
         run.stop()
 

@@ -27,7 +27,7 @@ LIVE = 100  # tasks whose heartbeats are ingested each cycle
 def fill(home: Path, tasks: int) -> None:
     """``tasks`` finished tasks in experiments of 100 (history, as months of use leave it)."""
     from orchestrator.ledger import Ledger
-    from orchestrator.states import TaskState
+    from orchestrator.supervise.states import TaskState
 
     ledger = Ledger.open(home / "ledger.db")
     per = 100
@@ -47,21 +47,21 @@ def fill(home: Path, tasks: int) -> None:
 
 
 def write_beats(tdir: Path, step: int) -> None:
-    from orchestrator import protocol
+    from orchestrator import contract
 
-    hb = protocol.heartbeat_dir(tdir)
+    hb = contract.heartbeat_dir(tdir)
     hb.mkdir(parents=True, exist_ok=True)
     for r in range(RANKS):
-        rec = protocol.heartbeat_record(rank=r, local_rank=r % 4, world_size=RANKS, node=f"n{r // 4}", launch="1_0.0", step=step,
+        rec = contract.heartbeat_record(rank=r, local_rank=r % 4, world_size=RANKS, node=f"n{r // 4}", launch="1_0.0", step=step,
                                         phase="train", step_time_s=0.5)
-        protocol.atomic_write_json(hb / f"rank-{r}.json", rec)
-    protocol.append_jsonl(protocol.metrics_path(tdir), {"step": step, "loss": 1.0, "lr": 1e-4, "throughput": 1e4, "time": time.time()})
+        contract.atomic_write_json(hb / f"rank-{r}.json", rec)
+    contract.append_jsonl(contract.metrics_path(tdir), {"step": step, "loss": 1.0, "lr": 1e-4, "throughput": 1e4, "time": time.time()})
 
 
 def ingest_bench(home: Path, repeats: int) -> dict:
     """Rows per second through ingest_progress (files -> ledger), against sqlite-utils
     upserting the same rows in one transaction."""
-    from orchestrator import ingest
+    from orchestrator.supervise import ingest
     from orchestrator.ledger import Ledger
 
     ledger = Ledger.open(home / "ledger.db")

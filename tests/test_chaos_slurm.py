@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import SESSION_START, REPO, cli, slurm_run, status_json, submit, write
-from orchestrator import protocol
+from orchestrator import contract
 from orchestrator.ledger import Ledger
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
@@ -89,11 +89,11 @@ def start(home, tmp_path, watchers, name, **kw):
     exp_id = submit(home, str(spec), "--executor", "slurm")
     watchers.append(WatcherProc(home, exp_id))
     exp = status_json(home, exp_id)["experiments"][0]
-    return exp_id, protocol.task_dir(exp["run_dir"], 0)
+    return exp_id, contract.task_dir(exp["run_dir"], 0)
 
 
 def metrics(tdir):
-    rows, _ = protocol.read_jsonl_from(protocol.metrics_path(tdir), 0)
+    rows, _ = contract.read_jsonl_from(contract.metrics_path(tdir), 0)
     return rows
 
 
@@ -105,7 +105,7 @@ def wait_for_step(tdir, step, timeout=120):
 
 
 def heartbeat(tdir, rank):
-    return protocol.read_json(protocol.heartbeat_path(tdir, rank))
+    return contract.read_json(contract.heartbeat_path(tdir, rank))
 
 
 def finish(home, exp_id, watcher, timeout=400):
@@ -122,8 +122,8 @@ def test_a_killed_rank_is_restarted_in_place_skipping_a_corrupted_newest_checkpo
     exp_id, tdir = start(home, tmp_path, watchers, "kill9")
     wait_for_step(tdir, 330)
     # the newest checkpoint is damaged before the crash: the restart must take the one before
-    step, newest = protocol.committed_checkpoints(tdir)[0]
-    shard = max((p for p in newest.rglob("*") if p.is_file() and p.name != protocol.MANIFEST), key=lambda p: p.stat().st_size)
+    step, newest = contract.committed_checkpoints(tdir)[0]
+    shard = max((p for p in newest.rglob("*") if p.is_file() and p.name != contract.MANIFEST), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size // 2)
     victim = heartbeat(tdir, 1)
@@ -157,9 +157,9 @@ def test_a_hung_rank_is_detected_its_stacks_saved_and_the_run_recovered(slurm, h
     # detected within the timeout (plus one heartbeat interval) and one watcher cycle, with a little slack
     assert hang["time"] - stopped_at < 4 + 0.5 + 1 + 3, hang["time"] - stopped_at
     [attempt] = ledger.attempts(exp_id, 0)
-    launch_dir = protocol.launches_dir(tdir) / attempt["launch"]
+    launch_dir = contract.launches_dir(tdir) / attempt["launch"]
     for rank in (0, 1):  # the stopped rank, and its peer waiting in a collective
-        stacks = protocol.stacks_path(launch_dir, 0, rank).read_text()
+        stacks = contract.stacks_path(launch_dir, 0, rank).read_text()
         assert "Current thread" in stacks or "Thread 0x" in stacks, stacks
         assert "train_entry/worker.py" in stacks, stacks
     with capsys.disabled():
@@ -221,7 +221,7 @@ def test_a_watcher_killed_in_the_middle_of_a_recovery_makes_exactly_one_new_atte
     # no in-place restarts: a killed rank ends the launch, and the watcher requeues the job
     spec = write(tmp_path / "w.yaml", spec_text("watcherkill", retry=", max_restarts: 0"))
     exp_id = submit(home, str(spec), "--executor", "slurm")
-    tdir = protocol.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
+    tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
     first = WatcherProc(home, exp_id, env={"ORCHESTRATE_FAULT_INJECT": "after-requeue"})
     try:
         wait_for_step(tdir, 250)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import REPO, cli, write
-from orchestrator import protocol
+from orchestrator import contract
 from orchestrator.ledger import Ledger
 
 pytestmark = pytest.mark.multiproc
@@ -31,11 +31,11 @@ def test_a_save_killed_at_any_moment_never_leaves_a_checkpoint_that_passes_for_c
         time.sleep(rng.uniform(0.0, 1.5))
         proc.send_signal(signal.SIGKILL)  # anywhere: writing shards, hashing, renaming, pruning
         proc.wait()
-        committed = protocol.committed_checkpoints(task)
+        committed = contract.committed_checkpoints(task)
         assert committed, "the first committed checkpoint is gone"
         for step, folder in committed:
-            assert protocol.verify_checkpoint(folder, deep=True) is None, (trial, folder)
-        seen_tmp += any(p.name.startswith(".tmp-") for p in protocol.checkpoints_dir(task).iterdir())
+            assert contract.verify_checkpoint(folder, deep=True) is None, (trial, folder)
+        seen_tmp += any(p.name.startswith(".tmp-") for p in contract.checkpoints_dir(task).iterdir())
     print(f"{seen_tmp} of 6 kills landed inside a save")
 
 
@@ -62,9 +62,9 @@ def run(home, tmp_path, name, steps, ranks=2, engine="{kind: ddp}", resume=""):
 
 def test_damaged_newest_checkpoints_are_skipped_and_the_run_resumes_from_an_older_one(home, tmp_path):
     first = run(home, tmp_path, "first", 20)
-    ckdir = protocol.checkpoints_dir(protocol.task_dir(first["run_dir"], 0))
-    assert [s for s, _ in protocol.committed_checkpoints(ckdir.parent)] == [15, 10, 5]
-    shard = lambda step: sorted((ckdir / protocol.checkpoint_name(step) / "dcp").glob("*.distcp"))[0]  # noqa: E731
+    ckdir = contract.checkpoints_dir(contract.task_dir(first["run_dir"], 0))
+    assert [s for s, _ in contract.committed_checkpoints(ckdir.parent)] == [15, 10, 5]
+    shard = lambda step: sorted((ckdir / contract.checkpoint_name(step) / "dcp").glob("*.distcp"))[0]  # noqa: E731
     with open(shard(15), "r+b") as fh:  # truncated
         fh.truncate(fh.seek(0, 2) // 2)
     shard(10).unlink()  # missing
@@ -94,17 +94,17 @@ def test_time_based_saves_are_agreed_by_every_rank(home, tmp_path):
     assert len(commits) >= 2 and all("(scheduled)" in e["cause"] for e in commits), commits
     steps = [int(e["cause"].split()[1]) for e in commits]
     assert steps == sorted(set(steps)) and steps[-1] < 80, steps
-    tdir = protocol.task_dir(exp["run_dir"], 0)
-    kept = protocol.committed_checkpoints(protocol.checkpoints_dir(tdir).parent)
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    kept = contract.committed_checkpoints(contract.checkpoints_dir(tdir).parent)
     assert [s for s, _ in kept] == steps[::-1][:2], (kept, steps)
-    verify = cli("ckpt", "verify", str(protocol.checkpoints_dir(tdir)), home=home)
+    verify = cli("ckpt", "verify", str(contract.checkpoints_dir(tdir)), home=home)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
 @pytest.mark.parametrize("engine", ["{kind: ddp}", "{kind: deepspeed, stage: 2}", "{kind: deepspeed, stage: 3}"])
 def test_resume_on_another_world_size(home, tmp_path, engine):
     first = run(home, tmp_path, "two", 20, ranks=2, engine=engine)
-    ckdir = protocol.checkpoints_dir(protocol.task_dir(first["run_dir"], 0))
+    ckdir = contract.checkpoints_dir(contract.task_dir(first["run_dir"], 0))
     ledger = Ledger.open(home / "ledger.db")
     start_loss = ledger.metrics(first["id"], 0)[0]["loss"]
     at_15 = {m["step"]: m["loss"] for m in ledger.metrics(first["id"], 0)}[15]

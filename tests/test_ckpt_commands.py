@@ -5,24 +5,24 @@ counted as something to keep."""
 import json
 
 from conftest import cli
-from orchestrator import protocol
+from orchestrator import contract
 
 
 def make_checkpoint(tdir, step, committed=True):
-    tmp = protocol.checkpoint_tmp(tdir, step)
+    tmp = contract.checkpoint_tmp(tdir, step)
     (tmp / "dcp").mkdir(parents=True)
     files = {}
     for rank in (0, 1):
         rel = f"dcp/__{rank}_0.distcp"
         (tmp / rel).write_bytes(bytes([step % 251]) * (1000 + rank))
-        files[rel] = {"size": 1000 + rank, "sha256": protocol.file_sha256(tmp / rel)}
+        files[rel] = {"size": 1000 + rank, "sha256": contract.file_sha256(tmp / rel)}
     if not committed:
         return tmp
-    return protocol.commit_checkpoint(tmp, {"step": step, "engine": "ddp", "world_size": 2, "state_format": "dcp", "files": files})
+    return contract.commit_checkpoint(tmp, {"step": step, "engine": "ddp", "world_size": 2, "state_format": "dcp", "files": files})
 
 
 def task(tmp_path):
-    tdir = protocol.task_dir(tmp_path / "run", 0)
+    tdir = contract.task_dir(tmp_path / "run", 0)
     for step in (100, 200, 300):
         make_checkpoint(tdir, step)
     make_checkpoint(tdir, 400, committed=False)  # a save killed halfway
@@ -31,7 +31,7 @@ def task(tmp_path):
 
 def test_list_tells_committed_verified_damaged_and_unfinished(tmp_path):
     tdir = task(tmp_path)
-    with open(protocol.checkpoints_dir(tdir) / "step-000000200" / "dcp" / "__1_0.distcp", "r+b") as fh:
+    with open(contract.checkpoints_dir(tdir) / "step-000000200" / "dcp" / "__1_0.distcp", "r+b") as fh:
         fh.truncate(10)
     out = cli("ckpt", "list", str(tmp_path / "run"), "--json", home=tmp_path / "home")
     assert out.returncode == 0, out.stderr
@@ -44,7 +44,7 @@ def test_list_tells_committed_verified_damaged_and_unfinished(tmp_path):
 
 def test_verify_names_the_damaged_file_and_exits_non_zero(tmp_path):
     tdir = task(tmp_path)
-    good = protocol.checkpoints_dir(tdir) / "step-000000300"
+    good = contract.checkpoints_dir(tdir) / "step-000000300"
     out = cli("ckpt", "verify", str(good), home=tmp_path / "home")
     assert out.returncode == 0 and "good (2 files" in out.stdout, out.stderr
     (good / "dcp" / "__0_0.distcp").write_bytes(b"x" * 1000)  # same size, other bytes: only sha256 sees it
@@ -54,7 +54,7 @@ def test_verify_names_the_damaged_file_and_exits_non_zero(tmp_path):
     (good / "dcp" / "__1_0.distcp").unlink()
     out = cli("ckpt", "verify", str(good), home=tmp_path / "home")
     assert out.returncode == 1 and "dcp/__1_0.distcp is missing" in out.stderr, out.stderr
-    out = cli("ckpt", "verify", str(protocol.checkpoint_tmp(tdir, 400)), home=tmp_path / "home")
+    out = cli("ckpt", "verify", str(contract.checkpoint_tmp(tdir, 400)), home=tmp_path / "home")
     assert out.returncode == 1 and "not committed" in out.stderr
     out = cli("ckpt", "verify", str(tmp_path / "nowhere"), home=tmp_path / "home")
     assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr
@@ -62,7 +62,7 @@ def test_verify_names_the_damaged_file_and_exits_non_zero(tmp_path):
 
 def test_prune_keeps_the_newest_good_ones_plans_first_and_is_safe_to_repeat(tmp_path):
     tdir = task(tmp_path)
-    base = protocol.checkpoints_dir(tdir)
+    base = contract.checkpoints_dir(tdir)
     with open(base / "step-000000300" / "dcp" / "__1_0.distcp", "r+b") as fh:
         fh.truncate(10)  # the newest committed one is damaged: it does not count as kept
     dry = cli("ckpt", "prune", str(tmp_path / "run"), "--keep", "1", "--dry-run", home=tmp_path / "home")

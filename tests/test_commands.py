@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from orchestrator import commands
+from orchestrator.scheduler import commands
 from orchestrator.errors import SchedulerError
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import cli, write
-from orchestrator import protocol
+from orchestrator import contract
 from orchestrator.ledger import Ledger
 from train_entry.consolidate import Item, plan_shards
 
@@ -47,7 +47,7 @@ def run(tmp_path_factory):
 
 
 def newest(run_dir, index):
-    return protocol.committed_checkpoints(protocol.task_dir(run_dir, index))[0][1]
+    return contract.committed_checkpoints(contract.task_dir(run_dir, index))[0][1]
 
 
 def load_all(folder):
@@ -89,7 +89,7 @@ def test_the_weights_equal_the_reference_tool_and_give_the_same_outputs(run, ind
         assert mine[name].dtype == torch.float32 and torch.equal(mine[name], tensor), name
     from train_entry.models import build_workload
 
-    cfg = protocol.read_json(protocol.task_config_path(protocol.task_dir(exp["run_dir"], index)))
+    cfg = contract.read_json(contract.task_config_path(contract.task_dir(exp["run_dir"], index)))
     a, b = build_workload(cfg).model, build_workload(cfg).model
     a.load_state_dict(mine)
     b.load_state_dict(ref)
@@ -101,10 +101,10 @@ def test_the_job_consolidates_its_final_step_and_tells_the_ledger(run):
     tmp, exp = run
     ledger = Ledger.open(tmp / "home" / "ledger.db")
     for index in range(4):
-        tdir = protocol.task_dir(exp["run_dir"], index)
-        step, folder = protocol.committed_checkpoints(tdir)[0]
+        tdir = contract.task_dir(exp["run_dir"], index)
+        step, folder = contract.committed_checkpoints(tdir)[0]
         assert step == 12  # saved at the last step although every_steps is 5
-        weights = protocol.weights_dir(tdir)
+        weights = contract.weights_dir(tdir)
         record = json.loads((weights / "consolidated.json").read_text())
         assert record["step"] == 12 and record["source"] == str(folder.resolve()) and record["dtype"] == "bf16"
         index_file = json.loads((weights / "model.safetensors.index.json").read_text())
@@ -122,11 +122,11 @@ def test_the_job_consolidates_its_final_step_and_tells_the_ledger(run):
 def test_a_failed_consolidation_step_fails_the_task_by_name_and_leaves_no_weights(run):
     tmp, exp = run
     task = exp["tasks"][TIMED_OUT]
-    tdir = protocol.task_dir(exp["run_dir"], TIMED_OUT)
+    tdir = contract.task_dir(exp["run_dir"], TIMED_OUT)
     assert "the consolidation step" in task["reason"] and "timeout_min" in task["reason"], task["reason"]
     assert task["attempts"] == 1  # not retried: the checkpoint stays for `ckpt consolidate` by hand
-    assert not protocol.weights_dir(tdir).exists() and not list(tdir.glob(".weights-*"))
-    assert protocol.committed_checkpoints(tdir)[0][0] == 12
+    assert not contract.weights_dir(tdir).exists() and not list(tdir.glob(".weights-*"))
+    assert contract.committed_checkpoints(tdir)[0][0] == 12
     events = cli("events", exp["id"], home=tmp / "home").stdout
     assert "weights.failed" in events
 
@@ -135,7 +135,7 @@ def test_shards_bf16_and_torch_format(run):
     tmp, exp = run
     folder = newest(exp["run_dir"], 0)
     ref = reference(folder, tmp)
-    res = cli("ckpt", "consolidate", str(protocol.task_dir(exp["run_dir"], 0)), "--out", str(tmp / "bin"), "--format", "torch", home=tmp / "home")
+    res = cli("ckpt", "consolidate", str(contract.task_dir(exp["run_dir"], 0)), "--out", str(tmp / "bin"), "--format", "torch", home=tmp / "home")
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in (tmp / "bin").iterdir()) == ["consolidated.json", "pytorch_model.bin"]
     assert all(torch.equal(t, ref[k]) for k, t in load_all(tmp / "bin").items())
@@ -194,10 +194,10 @@ def test_frozen_tied_and_integer_buffers_come_out_as_zero_to_fp32_gives_them(tmp
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     for stage in (2, 3):
-        tmp = protocol.checkpoint_tmp(tmp_path / f"task{stage}", 1)
+        tmp = contract.checkpoint_tmp(tmp_path / f"task{stage}", 1)
         shutil.move(str(tmp_path / f"z{stage}"), tmp)
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": protocol.file_sha256(p)} for p in tmp.rglob("*") if p.is_file()}
-        folder = protocol.commit_checkpoint(tmp, {"step": 1, "engine": "deepspeed", "world_size": 2, "state_format": "deepspeed", "files": files})
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": contract.file_sha256(p)} for p in tmp.rglob("*") if p.is_file()}
+        folder = contract.commit_checkpoint(tmp, {"step": 1, "engine": "deepspeed", "world_size": 2, "state_format": "deepspeed", "files": files})
         out = tmp_path / f"w{stage}"
         res = cli("ckpt", "consolidate", str(folder), "--out", str(out), "--dtype", "bf16", home=tmp_path / "home")
         assert res.returncode == 0, res.stderr

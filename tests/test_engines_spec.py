@@ -5,9 +5,9 @@ import json
 import pytest
 
 from conftest import cli, write
-from orchestrator import deepspeed_config
+from orchestrator.submit import deepspeed_config
 from orchestrator.errors import SpecError
-from orchestrator.spec import load_spec
+from orchestrator.spec.model import load_spec
 
 
 def issues_of(tmp_path, text):
@@ -83,9 +83,8 @@ def test_deepspeed_config_is_template_then_spec_then_overrides(tmp_path):
 
 def test_the_rendered_config_is_saved_in_the_run_folder(tmp_path, home):
     spec = write(tmp_path / "s.yaml", "name: x\nsteps: 1\nengine: {kind: deepspeed, stage: 1}\nsweep: {grid: {engine.stage: [1, 2]}}\n")
-    from orchestrator import service
-
-    plan = service.make_plan(str(spec), [], "local", home)
-    service.write_run_folder(plan)
+    from orchestrator.submit import submission
+    plan = submission.make_plan(str(spec), [], "local", home)
+    submission.write_run_folder(plan)
     stages = [json.loads((t.task_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] for t in plan.tasks]
     assert stages == [1, 2]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
-from orchestrator import protocol
+from orchestrator import contract
 from orchestrator.ledger import Ledger
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
@@ -57,7 +57,7 @@ def release():
 
 
 def metrics(task_dir):
-    rows, _ = protocol.read_jsonl_from(protocol.metrics_path(task_dir), 0)
+    rows, _ = contract.read_jsonl_from(contract.metrics_path(task_dir), 0)
     return rows
 
 
@@ -66,7 +66,7 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
     spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=160, signal_before=120, resources=four_nodes))
     exp_id = submit(home, str(spec), "--executor", "slurm")
     run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
-    tdir = protocol.task_dir(run_dir, 0)
+    tdir = contract.task_dir(run_dir, 0)
     deadline = time.time() + 120
     while max((m["step"] for m in metrics(tdir)), default=0) < 40:
         assert time.time() < deadline, "the low-priority run did not get going"

@@ -1,6 +1,6 @@
 """The trainer's heartbeat file: periodic within a phase, written at once on a new phase."""
 
-from orchestrator import protocol
+from orchestrator import contract
 from train_entry.env import RankContext
 from train_entry.heartbeat import Heartbeat
 
@@ -11,7 +11,7 @@ def test_a_new_phase_is_written_at_once_and_the_same_phase_only_every_interval(t
     hb = Heartbeat(tmp_path, ctx, interval_s=10.0, clock=lambda: now[0])
 
     def written():
-        rec = protocol.read_json(protocol.heartbeat_path(tmp_path, 1))
+        rec = contract.read_json(contract.heartbeat_path(tmp_path, 1))
         return rec["step"], rec["phase"]
 
     hb.beat(5, "train")

@@ -1,12 +1,14 @@
 import time
 
-from orchestrator import ingest, protocol
-from orchestrator.ingest import LaunchRecord
+from orchestrator.supervise import ingest
+
+from orchestrator import contract
+from orchestrator.supervise.ingest import LaunchRecord
 from orchestrator.ledger import Ledger
-from orchestrator.protocol import ExitCode
-from orchestrator.reconcile import decide
+from orchestrator.contract import ExitCode
+from orchestrator.supervise.reconcile import decide
 from orchestrator.scheduler.base import Observation
-from orchestrator.states import AttemptState, TaskState
+from orchestrator.supervise.states import AttemptState, TaskState
 
 
 def make_task(tmp_path):
@@ -20,8 +22,8 @@ def make_task(tmp_path):
 
 
 def beat(tdir, rank, step, node="n1"):
-    rec = protocol.heartbeat_record(rank=rank, local_rank=rank, world_size=2, node=node, launch="1_0.0", step=step, phase="train")
-    protocol.atomic_write_json(protocol.heartbeat_path(tdir, rank), rec)
+    rec = contract.heartbeat_record(rank=rank, local_rank=rank, world_size=2, node=node, launch="1_0.0", step=step, phase="train")
+    contract.atomic_write_json(contract.heartbeat_path(tdir, rank), rec)
 
 
 def test_heartbeats_and_metrics_are_ingested_once(tmp_path):
@@ -29,8 +31,8 @@ def test_heartbeats_and_metrics_are_ingested_once(tmp_path):
     beat(tdir, 0, 10, "n1")
     beat(tdir, 1, 9, "n2")
     for step, loss in ((1, 3.5), (10, 3.0)):
-        protocol.append_jsonl(protocol.metrics_path(tdir), {"step": step, "loss": loss, "lr": 0.1, "throughput": 100.0, "time": time.time()})
-    with open(protocol.metrics_path(tdir), "a") as fh:
+        contract.append_jsonl(contract.metrics_path(tdir), {"step": step, "loss": loss, "lr": 0.1, "throughput": 100.0, "time": time.time()})
+    with open(contract.metrics_path(tdir), "a") as fh:
         fh.write('{"step": 20, "lo')  # still being written
     ingest.ingest_progress(ledger, "e", 0, tdir)
     ingest.ingest_progress(ledger, "e", 0, tdir)  # idempotent
@@ -39,7 +41,7 @@ def test_heartbeats_and_metrics_are_ingested_once(tmp_path):
     assert [(h["rank"], h["step"], h["node"]) for h in hbs] == [(0, 10, "n1"), (1, 9, "n2")]
     task = ledger.task("e", 0)
     assert task["loss"] == 3.0 and task["step"] == 10 and task["nodes"] == "n1,n2"
-    with open(protocol.metrics_path(tdir), "a") as fh:
+    with open(contract.metrics_path(tdir), "a") as fh:
         fh.write('ss": 2.5}\n')
     beat(tdir, 0, 20)
     ingest.ingest_progress(ledger, "e", 0, tdir)
@@ -49,13 +51,13 @@ def test_heartbeats_and_metrics_are_ingested_once(tmp_path):
 
 def test_read_launches_waits_for_every_node(tmp_path):
     tdir = tmp_path / "t"
-    ldir = protocol.launches_dir(tdir) / "7_0.0"
-    protocol.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1", "n2"], "world_size": 4, "time": 1.0})
-    protocol.atomic_write_json(ldir / "node-0.json", {"exit_code": 4, "ended": 5.0})
+    ldir = contract.launches_dir(tdir) / "7_0.0"
+    contract.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1", "n2"], "world_size": 4, "time": 1.0})
+    contract.atomic_write_json(ldir / "node-0.json", {"exit_code": 4, "ended": 5.0})
     (rec,) = ingest.read_launches(tdir)
     assert not rec.ended
-    protocol.atomic_write_json(ldir / "node-1.json", {"exit_code": 3, "ended": 6.0})
-    protocol.atomic_write_json(ldir / "rank-3.error.json", {"rank": 3, "exit_code": 3, "type": "ValueError", "message": "bad", "traceback": "tb", "time": 2.0})
+    contract.atomic_write_json(ldir / "node-1.json", {"exit_code": 3, "ended": 6.0})
+    contract.atomic_write_json(ldir / "rank-3.error.json", {"rank": 3, "exit_code": 3, "type": "ValueError", "message": "bad", "traceback": "tb", "time": 2.0})
     (rec,) = ingest.read_launches(tdir)
     assert rec.ended and rec.exit_code == ExitCode.USER_ERROR and rec.ended_at == 6.0
 
@@ -121,20 +123,20 @@ def test_ranks_stopped_by_slurm_are_not_taken_for_a_cancellation():
 def test_restarts_in_place_become_one_event_each_and_only_the_last_generations_error_counts(tmp_path):
     ledger, tdir = make_task(tmp_path)
     number = ledger.add_attempt("e", 0, "7_0", "submitted")
-    ldir = protocol.launches_dir(tdir) / "7_0.0"
-    protocol.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1"], "world_size": 2, "time": 1.0})
-    first = protocol.generation_end("user_error", "rank 1 raised ValueError", 0, [], 3, step=2)
-    protocol.create_exclusive_json(protocol.generation_end_path(ldir, 0), first)
-    protocol.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "old", "traceback": "tb0", "generation": 0, "time": 2.0})
+    ldir = contract.launches_dir(tdir) / "7_0.0"
+    contract.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1"], "world_size": 2, "time": 1.0})
+    first = contract.generation_end("user_error", "rank 1 raised ValueError", 0, [], 3, step=2)
+    contract.create_exclusive_json(contract.generation_end_path(ldir, 0), first)
+    contract.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "old", "traceback": "tb0", "generation": 0, "time": 2.0})
     (rec,) = ingest.read_launches(tdir)
     assert rec.errors == []  # generation 0's error is history once the launch runs on
     attempt = ledger.attempt("e", 0, number)
     ingest.ingest_restarts(ledger, "e", 0, attempt, rec, str(tdir))
     ingest.ingest_restarts(ledger, "e", 0, ledger.attempt("e", 0, number), rec, str(tdir))  # idempotent
-    second = protocol.generation_end("user_error", "rank 1 raised ValueError", 1, [first], 3, step=2)
-    protocol.create_exclusive_json(protocol.generation_end_path(ldir, 1), second)
-    protocol.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "again", "traceback": "tb1", "generation": 1, "time": 3.0})
-    protocol.atomic_write_json(ldir / "node-0.json", {"exit_code": 3, "generation": 1, "ended": 4.0})
+    second = contract.generation_end("user_error", "rank 1 raised ValueError", 1, [first], 3, step=2)
+    contract.create_exclusive_json(contract.generation_end_path(ldir, 1), second)
+    contract.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "again", "traceback": "tb1", "generation": 1, "time": 3.0})
+    contract.atomic_write_json(ldir / "node-0.json", {"exit_code": 3, "generation": 1, "ended": 4.0})
     (rec,) = ingest.read_launches(tdir)
     ingest.ingest_restarts(ledger, "e", 0, ledger.attempt("e", 0, number), rec, str(tdir))
     kinds = [e["kind"] for e in ledger.events("e") if e["kind"].startswith("attempt.restart")]

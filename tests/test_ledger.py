@@ -1,10 +1,10 @@
 
 import pytest
 
-from orchestrator import states
+from orchestrator.supervise import states
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.migrations import MIGRATIONS, current_version, migrate
-from orchestrator.states import TaskState
+from orchestrator.supervise.states import TaskState
 
 import sqlite_utils
 

@@ -130,7 +130,7 @@ def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_a
     import sys
 
     from conftest import REPO
-    from orchestrator import protocol
+    from orchestrator import contract
 
     watch = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "submit", str(spec), "--executor", "local", "--watch", "--json", "--interval", "1"],
@@ -138,12 +138,12 @@ def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_a
     )
     deadline = time.time() + 120
     while not list(home.glob("runs/*/tasks/0/metrics.jsonl")) or max(
-        (m["step"] for m in protocol.read_jsonl_from(next(home.glob("runs/*/tasks/0/metrics.jsonl")), 0)[0]), default=0
+        (m["step"] for m in contract.read_jsonl_from(next(home.glob("runs/*/tasks/0/metrics.jsonl")), 0)[0]), default=0
     ) < 250:
         assert time.time() < deadline
         time.sleep(0.2)
     tdir = next(home.glob("runs/*/tasks/0"))
-    os.kill(protocol.read_json(protocol.heartbeat_path(tdir, 1))["pid"], 9)
+    os.kill(contract.read_json(contract.heartbeat_path(tdir, 1))["pid"], 9)
     out, _ = watch.communicate(timeout=300)
     assert watch.returncode == 0, out
     exp = json.loads(out)["experiments"][0]

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import cli
-from orchestrator.memory_plan import CANDIDATES, GIB, Setting, estimate, gpt_shape, plan
+from orchestrator.submit.memory_plan import CANDIDATES, GIB, Setting, estimate, gpt_shape, plan
 
 BIG = dict(vocab=32000, seq_len=2048, d=4096, layers=32, heads=32)  # a 6.7 B parameter GPT
 

@@ -1,9 +1,11 @@
 """The watcher's pure policies: hang detection, in-place restart decisions, recovery of
 failed attempts, backoff and the lease."""
 
-from orchestrator import protocol, recovery
+from orchestrator import contract
+
+from orchestrator.supervise import recovery
 from orchestrator.ledger import Ledger
-from orchestrator.recovery import find_hang, plan_recovery
+from orchestrator.supervise.recovery import find_hang, plan_recovery
 
 HB = {"interval_s": 1.0, "timeout_s": None, "startup_timeout_s": 300.0, "save_timeout_s": 600.0}
 
@@ -40,27 +42,27 @@ def test_silence_is_allowed_longer_while_saving_and_starting_and_not_after_the_e
 
 
 def test_in_place_restarts_stop_at_the_limit_and_when_a_user_error_repeats_at_the_same_step():
-    first = protocol.generation_end("user_error", "rank 0 raised", 0, [], 3, step=2)
-    assert first["action"] == "restart" and first["exit_code"] == protocol.ExitCode.USER_ERROR
-    again = protocol.generation_end("user_error", "rank 0 raised", 1, [first], 3, step=2)
+    first = contract.generation_end("user_error", "rank 0 raised", 0, [], 3, step=2)
+    assert first["action"] == "restart" and first["exit_code"] == contract.ExitCode.USER_ERROR
+    again = contract.generation_end("user_error", "rank 0 raised", 1, [first], 3, step=2)
     assert again["action"] == "stop" and "came back at step 2" in again["decision"]
-    elsewhere = protocol.generation_end("user_error", "rank 0 raised", 1, [first], 3, step=7)
+    elsewhere = contract.generation_end("user_error", "rank 0 raised", 1, [first], 3, step=7)
     assert elsewhere["action"] == "restart"  # a different step: maybe a flaky input, worth one more try
-    infra = [protocol.generation_end("infrastructure", "lost peer", g, [], 2, step=5) for g in range(3)]
+    infra = [contract.generation_end("infrastructure", "lost peer", g, [], 2, step=5) for g in range(3)]
     assert [r["action"] for r in infra] == ["restart", "restart", "stop"]
-    assert infra[-1]["exit_code"] == protocol.ExitCode.INFRA_ERROR and "used up" in infra[-1]["decision"]
-    assert protocol.generation_end("hang", "silent", 0, [], 0)["action"] == "stop"
+    assert infra[-1]["exit_code"] == contract.ExitCode.INFRA_ERROR and "used up" in infra[-1]["decision"]
+    assert contract.generation_end("hang", "silent", 0, [], 0)["action"] == "stop"
 
 
 def test_the_first_writer_of_a_generation_end_wins(tmp_path):
-    path = protocol.generation_end_path(tmp_path, 0)
-    assert protocol.create_exclusive_json(path, {"by": "n1"})
-    assert not protocol.create_exclusive_json(path, {"by": "watcher"})
-    assert protocol.read_json(path) == {"by": "n1"}
+    path = contract.generation_end_path(tmp_path, 0)
+    assert contract.create_exclusive_json(path, {"by": "n1"})
+    assert not contract.create_exclusive_json(path, {"by": "watcher"})
+    assert contract.read_json(path) == {"by": "n1"}
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
-    protocol.create_exclusive_json(protocol.generation_end_path(tmp_path, 1), {"by": "n2"})
-    protocol.create_exclusive_json(protocol.generation_end_path(tmp_path, 3), {"by": "gap"})
-    assert protocol.generation_ends(tmp_path) == [{"by": "n1"}, {"by": "n2"}]
+    contract.create_exclusive_json(contract.generation_end_path(tmp_path, 1), {"by": "n2"})
+    contract.create_exclusive_json(contract.generation_end_path(tmp_path, 3), {"by": "gap"})
+    assert contract.generation_ends(tmp_path) == [{"by": "n1"}, {"by": "n2"}]
 
 
 RETRY = {"max_recoveries": 2, "backoff_s": 10, "backoff_max_s": 60, "exclude_failed_nodes": True}

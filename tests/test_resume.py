@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import status_json, submit, wait_experiment, write
-from orchestrator import protocol
+from orchestrator import contract
 from orchestrator.ledger import Ledger
 
 pytestmark = pytest.mark.multiproc
@@ -40,7 +40,7 @@ ENGINES = {
 
 
 def metrics_step(task_dir) -> int:
-    rows, _ = protocol.read_jsonl_from(protocol.metrics_path(task_dir), 0)
+    rows, _ = contract.read_jsonl_from(contract.metrics_path(task_dir), 0)
     return max((r["step"] for r in rows), default=0)
 
 
@@ -57,9 +57,9 @@ def run_and_interrupt(home, spec, at_step=12, *overrides):
     exp_id = submit(home, str(spec), "--executor", "local", *overrides)
     exp = status_json(home, exp_id)["experiments"][0]
     run_dir = exp["run_dir"]
-    tdir = protocol.task_dir(run_dir, 1)
+    tdir = contract.task_dir(run_dir, 1)
     wait_until(lambda: metrics_step(tdir) >= at_step, what="step {at_step}")
-    agent = protocol.read_json(os.path.join(run_dir, "local", "task-1.json"))["pid"]
+    agent = contract.read_json(os.path.join(run_dir, "local", "task-1.json"))["pid"]
     os.kill(agent, signal.SIGUSR2)  # what SLURM sends before a preemption or the time limit
     return wait_experiment(home, exp_id, {"COMPLETED", "FAILED"})
 
@@ -81,7 +81,7 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(home,
     events = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 1]
     assert "checkpoint.resumed" in events and "checkpoint.committed" in events
     # retention: the newest two committed checkpoints remain, nothing half-made
-    folders = sorted(p.name for p in (protocol.checkpoints_dir(protocol.task_dir(exp["run_dir"], 1))).iterdir())
+    folders = sorted(p.name for p in (contract.checkpoints_dir(contract.task_dir(exp["run_dir"], 1))).iterdir())
     assert folders == ["step-000000015", "step-000000020"] or len([f for f in folders if f.startswith("step-")]) == 2, folders
     assert not [f for f in folders if f.startswith((".tmp", ".trash"))], folders
 

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
-from orchestrator import commands, service
+from orchestrator.scheduler import commands
+from orchestrator.supervise import refresh
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler.slurm import render_batch_script
-from orchestrator.service import make_plan
+from orchestrator.submit.submission import make_plan
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 
@@ -104,7 +105,7 @@ def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, 
     real = commands.query
     monkeypatch.setattr(commands, "query", lambda argv, **kw: calls.append(argv[0]) or real(argv, **kw))
     ledger = Ledger.open(home / "ledger.db")
-    service.refresh(ledger, ledger.find_experiments())
+    refresh.refresh(ledger, ledger.find_experiments())
     assert sorted(calls) == ["sacct", "squeue"]
 
     out = cli("cancel", exp_id, "--task", "2", home=home)

@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO, write
 from orchestrator.errors import SpecError
 from orchestrator.scheduler.slurm import batch_parameters, explain_refusal, render_batch_script
-from orchestrator.service import make_plan
+from orchestrator.submit.submission import make_plan
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 

@@ -4,8 +4,8 @@ import pytest
 
 from conftest import cli, write
 from orchestrator.errors import SpecError
-from orchestrator.spec import load_spec
-from orchestrator.sweep import expand
+from orchestrator.spec.model import load_spec
+from orchestrator.spec.sweep import expand
 
 GOOD = "name: ok\nsteps: 10\n"
 
@@ -129,6 +129,6 @@ def test_schema_is_json_schema_of_every_field(home):
 
 def test_readme_spec_reference_is_current():
     from conftest import REPO
-    from orchestrator.spec_doc import markdown_reference
+    from orchestrator.spec.reference import markdown_reference
 
     assert markdown_reference() in (REPO / "README.md").read_text(), "regenerate with `orchestrate schema --markdown`"

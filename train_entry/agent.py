@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator import protocol
-from orchestrator.protocol import ExitCode
+from orchestrator import contract
+from orchestrator.contract import ExitCode
 
-from .env import NodeContext, node_context, rendezvous, scontrol_field
+from train_entry.env import NodeContext, node_context, rendezvous, scontrol_field
 
 TERM_GRACE_S = 10.0
 EXTERNAL_KILL_S = 1.0
@@ -71,13 +71,13 @@ def launch_exit_code(codes: dict[int, int | None], first_failed: int | None) -> 
 def node_main(task_dir: str) -> int:
     """Run one launch of a task on this node; returns the launch's exit code."""
     tdir = Path(task_dir)
-    cfg = protocol.read_json(protocol.task_config_path(tdir))
+    cfg = contract.read_json(contract.task_config_path(tdir))
     if cfg is None:
-        print(f"orchestrate agent: cannot read {protocol.task_config_path(tdir)}", file=sys.stderr)
+        print(f"orchestrate agent: cannot read {contract.task_config_path(tdir)}", file=sys.stderr)
         return ExitCode.INFRA_ERROR
     ctx = node_context(os.environ)
-    launch = protocol.launch_key(ctx.job_id, ctx.restart_count)
-    ldir = protocol.launches_dir(tdir) / launch
+    launch = contract.launch_key(ctx.job_id, ctx.restart_count)
+    ldir = contract.launches_dir(tdir) / launch
     flags = _Flags()
     ckpt_signal = getattr(signal, "SIG" + cfg.get("checkpoint", {}).get("signal", "USR2"))
     for sig in {signal.SIGTERM, signal.SIGINT, ckpt_signal}:
@@ -92,7 +92,7 @@ def node_main(task_dir: str) -> int:
             print(f"orchestrate agent: {exc}", file=sys.stderr)
             return ExitCode.INFRA_ERROR
         if ctx.node_rank == 0 and generation == 0:
-            protocol.atomic_write_json(
+            contract.atomic_write_json(
                 ldir / "start.json",
                 {
                     "launch": launch,
@@ -111,11 +111,11 @@ def node_main(task_dir: str) -> int:
             generation += 1
     code, codes, first_failed = result
     if code == ExitCode.OK and ctx.node_rank == 0 and cfg.get("checkpoint", {}).get("consolidate"):
-        from . import weights_step
+        from train_entry import weights_step
 
         code = weights_step.run(cfg, tdir, launch, generation, flags.signals)
 
-    protocol.atomic_write_json(
+    contract.atomic_write_json(
         ldir / f"node-{ctx.node_rank}.json",
         {
             "launch": launch,
@@ -158,7 +158,7 @@ class Generation:
         ctx = self.ctx
         for local_rank in range(self.per_node):
             rank = ctx.node_rank * self.per_node + local_rank
-            lpath = protocol.log_path(self.tdir, rank)
+            lpath = contract.log_path(self.tdir, rank)
             lpath.parent.mkdir(parents=True, exist_ok=True)
             with open(lpath, "a", encoding="utf-8") as fh:
                 fh.write(f"=== launch {self.launch} generation {self.generation} rank {rank} on {ctx.node_name} "
@@ -176,7 +176,7 @@ class Generation:
     def run(self):
         self.start()
         procs, codes, flags = self.procs, self.codes, self.flags
-        end_path = protocol.generation_end_path(self.ldir, self.generation)
+        end_path = contract.generation_end_path(self.ldir, self.generation)
         first_failed: int | None = None
         failed_at = 0.0
         cancelled = False
@@ -210,10 +210,10 @@ class Generation:
                     if first_failed is None:
                         first_failed, failed_at = rank, time.time()
             if not cancelled and end_path.exists():  # another node, or the watcher, ended this generation
-                return self._end(protocol.read_json(end_path))
+                return self._end(contract.read_json(end_path))
             if failure() and self._may_speak(codes[first_failed], failed_at):
                 self._propose(first_failed, codes[first_failed])
-                return self._end(protocol.read_json(end_path))
+                return self._end(contract.read_json(end_path))
             if cancelled and stop_deadline is None:
                 stop_deadline = time.time() + TERM_GRACE_S
                 _signal_all(procs, codes, signal.SIGTERM)
@@ -229,7 +229,7 @@ class Generation:
             if failure() and not end_path.exists():
                 self._propose(first_failed, codes[first_failed])
             if end_path.exists():
-                return self._end(protocol.read_json(end_path))
+                return self._end(contract.read_json(end_path))
         code = ExitCode.CANCELLED if cancelled and first_failed is None else launch_exit_code(codes, first_failed)
         return code, codes, first_failed
 
@@ -237,15 +237,15 @@ class Generation:
     def _may_speak(code: int | None, failed_at: float) -> bool:
         """A rank killed by a signal, or that raised on its own, is the root cause; one
         that only lost its peer waits a moment for the node of the root cause to speak."""
-        kind = protocol.failure_kind(code)
+        kind = contract.failure_kind(code)
         return kind != "infrastructure" or (code is not None and code < 0) or time.time() - failed_at > ROOT_CAUSE_HEADSTART_S
 
     def _propose(self, rank: int, code: int | None) -> None:
         """Write this generation's end record, unless another node or the watcher did first."""
-        err = protocol.read_json(protocol.error_path(self.tdir, self.launch, rank)) or {}
+        err = contract.read_json(contract.error_path(self.tdir, self.launch, rank)) or {}
         if err.get("generation", self.generation) != self.generation:
             err = {}
-        hb = protocol.read_json(protocol.heartbeat_path(self.tdir, rank)) or {}
+        hb = contract.read_json(contract.heartbeat_path(self.tdir, rank)) or {}
         step = err.get("step", hb.get("step"))
         if code is not None and code < 0:
             what = f"was killed by {signal.Signals(-code).name}"
@@ -254,31 +254,31 @@ class Generation:
         else:
             what = f"exited with code {code}"
         cause = f"rank {rank} on {self.ctx.node_name} {what} (after step {step})"
-        history = protocol.generation_ends(self.ldir)[: self.generation]
+        history = contract.generation_ends(self.ldir)[: self.generation]
         max_restarts = self.cfg.get("retry", {}).get("max_restarts", 3)
-        record = protocol.generation_end(
-            protocol.failure_kind(code), cause, self.generation, history, max_restarts, step,
+        record = contract.generation_end(
+            contract.failure_kind(code), cause, self.generation, history, max_restarts, step,
             rank=rank, node=self.ctx.node_name, by=f"node agent on {self.ctx.node_name}",
         )
-        protocol.create_exclusive_json(protocol.generation_end_path(self.ldir, self.generation), record)
+        contract.create_exclusive_json(contract.generation_end_path(self.ldir, self.generation), record)
 
     def _end(self, record: dict):
         """Stop this node's ranks as the end record says; None to restart, else the result."""
         procs, codes = self.procs, self.codes
         record = record or {"action": "stop", "exit_code": int(ExitCode.INFRA_ERROR)}
         if record.get("dump"):  # a hang: every rank writes its stacks first (SIGCONT wakes a stopped one)
-            stacks = {r: protocol.stacks_path(self.ldir, self.generation, r) for r in procs if codes[r] is None}
+            stacks = {r: contract.stacks_path(self.ldir, self.generation, r) for r in procs if codes[r] is None}
             before = {r: _size(p) for r, p in stacks.items()}
-            _signal_all(procs, codes, protocol.dump_signal())
+            _signal_all(procs, codes, contract.dump_signal())
             _signal_all(procs, codes, signal.SIGCONT)
             deadline = time.time() + DUMP_WAIT_S
             while time.time() < deadline and any(_size(p) <= before[r] for r, p in stacks.items()):
                 time.sleep(0.05)
-            protocol.atomic_write_json(protocol.generation_dumped_path(self.ldir, self.generation, self.ctx.node_rank),
+            contract.atomic_write_json(contract.generation_dumped_path(self.ldir, self.generation, self.ctx.node_rank),
                                        {"node": self.ctx.node_name, "time": time.time()})
             deadline += DUMP_WAIT_S  # then the other nodes' ranks, which die with their peers once these stop
             while time.time() < deadline and not all(
-                    protocol.generation_dumped_path(self.ldir, self.generation, n).exists() for n in range(self.ctx.nnodes)):
+                    contract.generation_dumped_path(self.ldir, self.generation, n).exists() for n in range(self.ctx.nnodes)):
                 time.sleep(0.05)
         _signal_all(procs, codes, signal.SIGTERM)
         _signal_all(procs, codes, signal.SIGCONT)
@@ -291,8 +291,8 @@ class Generation:
                 p.wait()
             if codes[rank] is None:
                 codes[rank] = p.returncode
-        protocol.atomic_write_json(
-            protocol.generation_stopped_path(self.ldir, self.generation, self.ctx.node_rank),
+        contract.atomic_write_json(
+            contract.generation_stopped_path(self.ldir, self.generation, self.ctx.node_rank),
             {"node": self.ctx.node_name, "codes": {str(r): c for r, c in codes.items()}, "time": time.time()},
         )
         first = record.get("rank") if record.get("rank") in codes else None
@@ -304,14 +304,14 @@ class Generation:
         while time.time() < deadline:
             if any(s in (signal.SIGTERM, signal.SIGINT) for s in self.flags.signals):
                 return ExitCode.CANCELLED, codes, None
-            missing = [n for n in range(self.ctx.nnodes) if not protocol.generation_stopped_path(self.ldir, self.generation, n).exists()]
+            missing = [n for n in range(self.ctx.nnodes) if not contract.generation_stopped_path(self.ldir, self.generation, n).exists()]
             if not missing:
                 return None
             time.sleep(0.2)
         names = [self.ctx.nodes[n] if n < len(self.ctx.nodes) else str(n) for n in missing]
         print(f"orchestrate agent: node(s) {', '.join(names)} did not stop their ranks within {STOP_BARRIER_S:.0f} s; "
               "giving up on restarting in place", file=sys.stderr)
-        protocol.atomic_write_json(self.ldir / f"unresponsive-{self.ctx.node_rank}.json", {"nodes": names, "time": time.time()})
+        contract.atomic_write_json(self.ldir / f"unresponsive-{self.ctx.node_rank}.json", {"nodes": names, "time": time.time()})
         return ExitCode.INFRA_ERROR, codes, first
 
 
@@ -333,7 +333,7 @@ def requeue(ctx: NodeContext, cfg: dict, ldir: Path, flags: _Flags, run=subproce
     record = ldir / "requeue.json"
     if ctx.node_rank == 0:
         decision = _requeue_decision(ctx, cfg, run)
-        protocol.atomic_write_json(record, {**decision, "time": time.time()})
+        contract.atomic_write_json(record, {**decision, "time": time.time()})
         if decision["by"] == "agent":
             try:  # ends this job at once (the ranks are done) and queues it again
                 run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
@@ -343,7 +343,7 @@ def requeue(ctx: NodeContext, cfg: dict, ldir: Path, flags: _Flags, run=subproce
         deadline = time.time() + REQUEUE_WAIT_S
         while not record.exists() and time.time() < deadline:
             time.sleep(0.5)
-        decision = protocol.read_json(record) or {}
+        decision = contract.read_json(record) or {}
     if decision.get("by") in ("slurm", "agent"):
         deadline = time.time() + PREEMPT_WAIT_S  # until SLURM's SIGTERM (grace time over, or the requeue)
         while time.time() < deadline and not any(sig in (signal.SIGTERM, signal.SIGINT) for sig in flags.signals):

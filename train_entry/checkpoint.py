@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import distributed as dist
 
-from orchestrator import protocol
+from orchestrator import contract
 
 RNG_DIR = "rng"
 # benchmarks and tests: every save takes this much longer, as on a slow shared filesystem
@@ -84,7 +84,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != protocol.MANIFEST)
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != contract.MANIFEST)
 
 
 def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
@@ -94,7 +94,7 @@ def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
         path = folder / name
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
-        out[name] = {"size": path.stat().st_size, "sha256": protocol.file_sha256(path)}
+        out[name] = {"size": path.stat().st_size, "sha256": contract.file_sha256(path)}
     return out
 
 
@@ -130,7 +130,7 @@ class Checkpointer:
 
     def begin(self, step: int) -> Path:
         """Collective: an empty folder for the shards of step ``step`` (not yet a checkpoint)."""
-        tmp = protocol.checkpoint_tmp(self.task_dir, step)
+        tmp = contract.checkpoint_tmp(self.task_dir, step)
         if self.rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -175,7 +175,7 @@ class Checkpointer:
     def commit(self, step: int, meta: dict | None = None) -> dict:
         """Collective: make the folder of ``begin(step)`` a committed checkpoint."""
         t0 = time.perf_counter()
-        return self._commit(step, protocol.checkpoint_tmp(self.task_dir, step), 0.0, t0, meta or {})
+        return self._commit(step, contract.checkpoint_tmp(self.task_dir, step), 0.0, t0, meta or {})
 
     def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict) -> dict:
         dist.barrier()  # every rank's shards are written
@@ -195,7 +195,7 @@ class Checkpointer:
                 "time": time.time(),
                 **meta,
             }
-            final = protocol.commit_checkpoint(tmp, manifest)
+            final = contract.commit_checkpoint(tmp, manifest)
             self._retain()
         dist.barrier()  # nobody moves on (or exits) before the commit
         self.committed_step = step
@@ -203,42 +203,42 @@ class Checkpointer:
 
     def _retain(self) -> None:
         keep = self.cfg["keep_last"]
-        for _, folder in protocol.committed_checkpoints(self.task_dir)[keep:]:
-            protocol.discard_checkpoint(folder)
+        for _, folder in contract.committed_checkpoints(self.task_dir)[keep:]:
+            contract.discard_checkpoint(folder)
 
     # ------------------------------------------------------------ resume
 
     def find_resume(self) -> Resume:
         """The newest committed checkpoint that verifies (collective: the ranks share the hashing).
         Leftovers of saves that never committed are removed first (nothing writes at this point)."""
-        cleaned = protocol.remove_leftovers(self.task_dir) if self.rank == 0 else []
+        cleaned = contract.remove_leftovers(self.task_dir) if self.rank == 0 else []
         dist.barrier()
-        candidates = [folder for _, folder in protocol.committed_checkpoints(self.task_dir)]
+        candidates = [folder for _, folder in contract.committed_checkpoints(self.task_dir)]
         if not candidates and self.cfg.get("resume_from"):
             start = Path(self.cfg["resume_from"])
-            if (start / protocol.MANIFEST).exists():
+            if (start / contract.MANIFEST).exists():
                 candidates = [start]
             else:  # a checkpoints folder (or a task folder): its committed checkpoints, newest first
                 base = start.parent if start.name == "checkpoints" else start
-                candidates = [folder for _, folder in protocol.committed_checkpoints(base)] or [start]
+                candidates = [folder for _, folder in contract.committed_checkpoints(base)] or [start]
         skipped = []
         for folder in candidates:
             problem = self._verify(folder)
             if problem is None:
-                m = protocol.read_json(folder / protocol.MANIFEST)
+                m = contract.read_json(folder / contract.MANIFEST)
                 return Resume(folder, int(m["step"]), int(m["world_size"]), skipped, cleaned)
             skipped.append((str(folder), problem))
         return Resume(None, 0, None, skipped, cleaned)
 
     def _verify(self, folder: Path) -> str | None:
-        problem = protocol.verify_checkpoint(folder, deep=False) if self.rank == 0 else None
+        problem = contract.verify_checkpoint(folder, deep=False) if self.rank == 0 else None
         if problem is None and self.cfg.get("verify", "sha256") == "sha256":
-            manifest = protocol.read_json(folder / protocol.MANIFEST) or {"files": {}}
+            manifest = contract.read_json(folder / contract.MANIFEST) or {"files": {}}
             names = sorted(manifest["files"])
             bad = [
                 f"{n} does not match its sha256"
                 for n in names[self.rank :: self.world]
-                if not (folder / n).is_file() or protocol.file_sha256(folder / n) != manifest["files"][n]["sha256"]
+                if not (folder / n).is_file() or contract.file_sha256(folder / n) != manifest["files"][n]["sha256"]
             ]
             problem = problem or (bad[0] if bad else None)
         problems = [p for p in _gather(problem) if p]

@@ -31,12 +31,12 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator import protocol
-from orchestrator.protocol import ExitCode
+from orchestrator import contract
+from orchestrator.contract import ExitCode
 
-from .checkpoint import Checkpointer, CheckpointSignal, Resume
-from .env import rank_context
-from .heartbeat import Heartbeat, enable_stack_dumps
+from train_entry.checkpoint import Checkpointer, CheckpointSignal, Resume
+from train_entry.env import rank_context
+from train_entry.heartbeat import Heartbeat, enable_stack_dumps
 
 
 class Run:
@@ -46,7 +46,7 @@ class Run:
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group (or deepspeed.init_distributed) first")
         self.task_dir = Path(task_dir)
-        self.config = protocol.read_json(protocol.task_config_path(self.task_dir))
+        self.config = contract.read_json(contract.task_config_path(self.task_dir))
         self.ctx = rank_context(os.environ)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._hb = Heartbeat(self.task_dir, self.ctx, self.config["heartbeat"]["interval_s"])
@@ -93,7 +93,7 @@ class Run:
         """Collective: hash the files, write the manifest last, rename into place, prune."""
         info = self._ckpt.commit(step, {"launch": self.ctx.launch})
         self._hb.event("checkpoint.committed", f"step {step} saved by the script in {info['total_s']:.2f} s", **info)
-        return Path(info["folder"]) if info["folder"] else protocol.checkpoints_dir(self.task_dir) / protocol.checkpoint_name(step)
+        return Path(info["folder"]) if info["folder"] else contract.checkpoints_dir(self.task_dir) / contract.checkpoint_name(step)
 
     def finish(self, step: int) -> None:
         """The run is complete: a late checkpoint signal is ignored from now on."""

@@ -40,7 +40,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import protocol
+from orchestrator import contract
 
 DTYPES = ("fp32", "bf16", "fp16")
 FORMATS = ("safetensors", "torch")
@@ -368,12 +368,12 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         raise ConsolidateError(f"--format {fmt}: use safetensors or torch")
     if out.exists() and any(out.iterdir()):
         raise ConsolidateError(f"--out {out} exists and is not empty; give a new folder")
-    if not (folder / protocol.MANIFEST).exists():
-        raise ConsolidateError(f"{folder}: no {protocol.MANIFEST}: not a committed checkpoint (see `orchestrate ckpt list`)")
-    problem = protocol.verify_checkpoint(folder)
+    if not (folder / contract.MANIFEST).exists():
+        raise ConsolidateError(f"{folder}: no {contract.MANIFEST}: not a committed checkpoint (see `orchestrate ckpt list`)")
+    problem = contract.verify_checkpoint(folder)
     if problem:
         raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
-    manifest = protocol.read_json(folder / protocol.MANIFEST)
+    manifest = contract.read_json(folder / contract.MANIFEST)
     started = time.time()
     reader = open_reader(folder, manifest)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -382,7 +382,7 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     try:
         summary = _write_all(reader, tmp, dtype, fmt, max_shard_bytes)
         summary.update(source=str(folder.resolve()), step=manifest.get("step"), engine=manifest.get("engine"))
-        protocol.atomic_write_json(tmp / RECORD, summary)
+        contract.atomic_write_json(tmp / RECORD, summary)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
@@ -415,7 +415,7 @@ def _write_all(reader, dst: Path, dtype: str, fmt: str, max_shard_bytes: int) ->
             reader.release()
         writer.close()
     if len(names) > 1:
-        protocol.atomic_write_json(dst / index_name(fmt), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        contract.atomic_write_json(dst / index_name(fmt), {"metadata": {"total_size": total}, "weight_map": weight_map})
     return {"tensors": len(items), "bytes": total, "files": names, "dtype": dtype, "format": fmt}
 
 
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         done = consolidate(args.folder, args.out, args.dtype, args.format, args.max_shard_bytes)
     except ConsolidateError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return protocol.ExitCode.USER_ERROR
+        return contract.ExitCode.USER_ERROR
     print(json.dumps(done))
     return 0
 

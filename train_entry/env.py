@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from orchestrator.protocol import derive_port, expand_hostlist
+from orchestrator.contract import derive_port, expand_hostlist
 
 
 @dataclass(frozen=True)

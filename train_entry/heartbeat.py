@@ -10,16 +10,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from orchestrator import protocol
+from orchestrator import contract
 
-from .env import RankContext
+from train_entry.env import RankContext
 
 
 class Heartbeat:
     def __init__(self, task_dir: str | Path, ctx: RankContext, interval_s: float, clock=time.time):
         self.task_dir = task_dir
-        self.path = protocol.heartbeat_path(task_dir, ctx.rank)
-        self.metrics = protocol.metrics_path(task_dir)
+        self.path = contract.heartbeat_path(task_dir, ctx.rank)
+        self.metrics = contract.metrics_path(task_dir)
         self.ctx = ctx
         self.interval_s = interval_s
         self.clock = clock
@@ -36,9 +36,9 @@ class Heartbeat:
         if not force and phase == self.phase and now - self.last < self.interval_s:
             return
         self.last, self.phase = now, phase
-        protocol.atomic_write_json(
+        contract.atomic_write_json(
             self.path,
-            protocol.heartbeat_record(
+            contract.heartbeat_record(
                 rank=self.ctx.rank,
                 local_rank=self.ctx.local_rank,
                 world_size=self.ctx.world_size,
@@ -53,7 +53,7 @@ class Heartbeat:
 
     def metric(self, step: int, loss: float, lr: float, throughput: float) -> None:
         if self.ctx.rank == 0:
-            protocol.append_jsonl(
+            contract.append_jsonl(
                 self.metrics,
                 {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "time": self.clock(), "launch": self.ctx.launch,
                  "generation": self.ctx.generation},
@@ -62,21 +62,21 @@ class Heartbeat:
     def event(self, kind: str, cause: str, **extra) -> None:
         """Something the ledger should record (rank 0 writes it): resumes, commits, skips."""
         if self.ctx.rank == 0:
-            protocol.append_jsonl(
-                protocol.events_path(self.task_dir),
+            contract.append_jsonl(
+                contract.events_path(self.task_dir),
                 {"event": kind, "cause": cause, "launch": self.ctx.launch, "generation": self.ctx.generation,
                  "time": self.clock(), **extra},
             )
 
 
 def enable_stack_dumps(task_dir: str | Path, ctx: RankContext) -> None:
-    """On protocol.dump_signal(), write every thread's stack to the launch's stacks folder.
+    """On contract.dump_signal(), write every thread's stack to the launch's stacks folder.
 
     faulthandler writes from the signal handler itself, so this works while the
     training thread is blocked in a collective or in C code: the case that matters."""
     import faulthandler
 
-    path = protocol.stacks_path(protocol.launches_dir(task_dir) / ctx.launch, ctx.generation, ctx.rank)
+    path = contract.stacks_path(contract.launches_dir(task_dir) / ctx.launch, ctx.generation, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a", encoding="utf-8")  # kept open for the life of the process
-    faulthandler.register(protocol.dump_signal(), file=fh, all_threads=True, chain=False)
+    faulthandler.register(contract.dump_signal(), file=fh, all_threads=True, chain=False)

@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator import protocol
-from orchestrator.protocol import ExitCode
+from orchestrator import contract
+from orchestrator.contract import ExitCode
 
-from .consolidate import RECORD
+from train_entry.consolidate import RECORD
 
 TERM_GRACE_S = 10.0
 
@@ -29,24 +29,24 @@ def run(cfg: dict, tdir: Path, launch: str, generation: int, signals: list[int])
     opts = cfg["checkpoint"]["consolidate"]
 
     def event(kind: str, cause: str, **extra) -> None:
-        protocol.append_jsonl(protocol.events_path(tdir), {"event": kind, "cause": cause, "launch": launch,
+        contract.append_jsonl(contract.events_path(tdir), {"event": kind, "cause": cause, "launch": launch,
                                                            "generation": generation, "time": time.time(), **extra})
 
     def failed(why: str) -> int:
         event("weights.failed", why)
-        protocol.atomic_write_json(
-            protocol.step_error_path(tdir, launch, "consolidate"),
+        contract.atomic_write_json(
+            contract.step_error_path(tdir, launch, "consolidate"),
             {"where": "the consolidation step", "exit_code": int(ExitCode.USER_ERROR), "type": "ConsolidationFailed",
              "message": why, "generation": generation, "time": time.time()},
         )
         return ExitCode.USER_ERROR
 
-    out = protocol.weights_dir(tdir)
-    found = protocol.committed_checkpoints(tdir)
+    out = contract.weights_dir(tdir)
+    found = contract.committed_checkpoints(tdir)
     if not found:  # the built-in loop always saves its last step; a script may not have saved at all
         return failed("no committed checkpoint to consolidate")
     step, folder = found[0]
-    done = protocol.read_json(out / RECORD)
+    done = contract.read_json(out / RECORD)
     if done and done.get("source") == str(folder.resolve()):
         event("weights.consolidated", f"{out} already holds the weights of step {step}", folder=str(out))
         return ExitCode.OK
@@ -79,7 +79,7 @@ def run(cfg: dict, tdir: Path, launch: str, generation: int, signals: list[int])
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         return failed(f"{_last_error(log)} (exit {proc.returncode}; see {log})")
-    summary = protocol.read_json(tmp / RECORD) or {}
+    summary = contract.read_json(tmp / RECORD) or {}
     if out.exists():  # weights of an older checkpoint: replaced only once the new ones are whole
         old = tdir / f".weights-old-{launch}"
         shutil.rmtree(old, ignore_errors=True)

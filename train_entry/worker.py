@@ -1,7 +1,7 @@
 """One training process (rank): ``python -m train_entry.worker TASK_DIR``.
 
 Started by the node agent with torchrun-compatible variables. Exits with a code
-from ``orchestrator.protocol.ExitCode``; on failure it first records the exception
+from ``orchestrator.contract.ExitCode``; on failure it first records the exception
 and traceback where the login side finds them.
 """
 
@@ -16,11 +16,11 @@ import traceback
 
 STARTED = time.time()  # the ledger's resume event tells start-up and load time apart (recovery figures)
 
-from orchestrator import protocol  # noqa: E402
-from orchestrator.protocol import ExitCode  # noqa: E402
+from orchestrator import contract  # noqa: E402
+from orchestrator.contract import ExitCode  # noqa: E402
 
-from .env import RankContext, rank_context  # noqa: E402
-from .heartbeat import Heartbeat, enable_stack_dumps
+from train_entry.env import RankContext, rank_context  # noqa: E402
+from train_entry.heartbeat import Heartbeat, enable_stack_dumps
 
 _INFRA = re.compile(
     r"gloo|nccl|connection (closed|reset|refused)|broken pipe|timed? ?out|socket|store|rendezvous|peer",
@@ -33,7 +33,7 @@ def classify(exc: BaseException) -> ExitCode:
     import torch
     from torch import distributed as dist
 
-    from .models import UserCodeError
+    from train_entry.models import UserCodeError
 
     if isinstance(exc, UserCodeError):
         return ExitCode.USER_ERROR
@@ -95,11 +95,11 @@ def train(cfg: dict, ctx: RankContext, device, hb: Heartbeat, flag) -> float | N
     import torch
     from torch import distributed as dist
 
-    from .checkpoint import Checkpointer
-    from .data import Sampler
-    from .engines import build_engine
-    from .models import build_workload
-    from .schedule import lr_at
+    from train_entry.checkpoint import Checkpointer
+    from train_entry.data import Sampler
+    from train_entry.engines import build_engine
+    from train_entry.models import build_workload
+    from train_entry.schedule import lr_at
 
     ckpt = Checkpointer(cfg, cfg["task_dir"], ctx.rank, ctx.world_size)
     resume = ckpt.find_resume()
@@ -176,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m train_entry.worker TASK_DIR", file=sys.stderr)
         return ExitCode.USER_ERROR
     task_dir = argv[0]
-    cfg = protocol.read_json(protocol.task_config_path(task_dir))
+    cfg = contract.read_json(contract.task_config_path(task_dir))
     if cfg is None:
-        print(f"cannot read {protocol.task_config_path(task_dir)}", file=sys.stderr)
+        print(f"cannot read {contract.task_config_path(task_dir)}", file=sys.stderr)
         return ExitCode.INFRA_ERROR
     ctx = rank_context(os.environ)
     hb = Heartbeat(task_dir, ctx, cfg["heartbeat"]["interval_s"])
     enable_stack_dumps(task_dir, ctx)
-    from .checkpoint import CheckpointSignal
+    from train_entry.checkpoint import CheckpointSignal
 
     flag = CheckpointSignal(cfg["checkpoint"]["signal"])
     hb.beat(0, "init", force=True)
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure is classified and recorded
         code = classify(exc) if not isinstance(exc, KeyboardInterrupt) else ExitCode.CANCELLED
         traceback.print_exc()
-        protocol.atomic_write_json(
-            protocol.error_path(task_dir, ctx.launch, ctx.rank),
+        contract.atomic_write_json(
+            contract.error_path(task_dir, ctx.launch, ctx.rank),
             {
                 "rank": ctx.rank,
                 "exit_code": int(code),

@@ -49,7 +49,7 @@ def _m001_initial(db: sqlite_utils.Database) -> None:
             "idx": int,
             "number": int,
             "job_id": str,
-            "launch": str,  # protocol.launch_key of the launch that ran, once known
+            "launch": str,  # contract.launch_key of the launch that ran, once known
             "state": str,
             "reason": str,
             "exit_code": int,

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator
 
 import sqlite_utils
 
-from .. import states
-from ..errors import UserError
-from ..states import AttemptState, TaskState
-from .migrations import migrate
+from orchestrator.supervise import states
+from orchestrator.errors import UserError
+from orchestrator.supervise.states import AttemptState, TaskState
+from orchestrator.ledger.migrations import migrate
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Where tasks run: one interface, a SLURM implementation and a local one."""
 
-from .base import JobRef, Observation, Scheduler
+from orchestrator.scheduler.base import JobRef, Observation, Scheduler
 
 __all__ = ["JobRef", "Observation", "Scheduler", "get_scheduler", "default_executor"]
 
@@ -16,14 +16,14 @@ def default_executor() -> str:
 
 def get_scheduler(name: str) -> Scheduler:
     if name == "local":
-        from .local import LocalScheduler
+        from orchestrator.scheduler.local import LocalScheduler
 
         return LocalScheduler()
     if name == "slurm":
         try:
-            from .slurm import SlurmScheduler
+            from orchestrator.scheduler.slurm import SlurmScheduler
         except ImportError:
-            from ..errors import UserError
+            from orchestrator.errors import UserError
 
             raise UserError("the SLURM executor is not available in this release yet; use --executor local") from None
 

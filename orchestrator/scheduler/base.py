@@ -4,8 +4,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..plan import Plan
-from ..states import AttemptState
+from orchestrator.submit.plan import Plan
+from orchestrator.supervise.states import AttemptState
 
 
 @dataclass(frozen=True)

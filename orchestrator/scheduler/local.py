@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from .. import protocol
-from ..plan import Plan
-from ..reconcile import attempt_state_for_exit
-from ..states import AttemptState
-from .base import JobRef, Observation
+from orchestrator import contract
+from orchestrator.submit.plan import Plan
+from orchestrator.supervise.reconcile import attempt_state_for_exit
+from orchestrator.supervise.states import AttemptState
+from orchestrator.scheduler.base import JobRef, Observation
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
 
@@ -88,7 +88,7 @@ class LocalScheduler:
         executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
         indices = [t.index for t in plan.tasks]
         for i in indices:
-            protocol.atomic_write_json(state_path(plan.run_dir, i), {"state": "PENDING", "time": time.time()})
+            contract.atomic_write_json(state_path(plan.run_dir, i), {"state": "PENDING", "time": time.time()})
         with _detached():
             job = executor.submit(run_driver, str(plan.run_dir), indices, plan.max_parallel)
         return {i: f"{job.job_id}_{i}" for i in indices}
@@ -99,8 +99,8 @@ class LocalScheduler:
         for ref in refs:
             dpath = driver_path(ref.run_dir, ref.job_id.rsplit("_", 1)[0])
             if dpath not in drivers:
-                drivers[dpath] = alive(protocol.read_json(dpath))
-            rec = protocol.read_json(state_path(ref.run_dir, ref.index)) or {}
+                drivers[dpath] = alive(contract.read_json(dpath))
+            rec = contract.read_json(state_path(ref.run_dir, ref.index)) or {}
             if rec.get("job_id", ref.job_id) != ref.job_id:
                 rec = {"state": "PENDING"}  # an older driver's record: this job has not started yet
             state = rec.get("state")
@@ -118,8 +118,8 @@ class LocalScheduler:
 
     def cancel(self, refs: list[JobRef]) -> None:
         for ref in refs:
-            flag = protocol.cancel_flag_path(protocol.task_dir(ref.run_dir, ref.index))
-            protocol.atomic_write_text(flag, f"{time.time()}\n")
+            flag = contract.cancel_flag_path(contract.task_dir(ref.run_dir, ref.index))
+            contract.atomic_write_text(flag, f"{time.time()}\n")
 
     # ------------------------------------------------------------ recovery
 
@@ -134,14 +134,14 @@ class LocalScheduler:
 
         executor = submitit.LocalExecutor(folder=str(Path(run_dir) / "submitit"))
         executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
-        protocol.atomic_write_json(state_path(run_dir, index), {"state": "PENDING", "time": time.time()})
+        contract.atomic_write_json(state_path(run_dir, index), {"state": "PENDING", "time": time.time()})
         with _detached():
             job = executor.submit(run_driver, str(run_dir), [index], None, tag, delay_s)
         return f"{job.job_id}_{index}"
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
         for f in (Path(run_dir) / "local").glob("driver-*.json"):
-            rec = protocol.read_json(f) or {}
+            rec = contract.read_json(f) or {}
             if rec.get("tag") == tag:
                 return f"{rec['job_id']}_{rec['indices'][0]}"
         return None
@@ -161,7 +161,7 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: 
     with contextlib.suppress(OSError):
         os.setsid()  # our own session: the terminal's signals never reach the agents
     base_id = os.environ.get("SUBMITIT_LOCAL_JOB_ID", str(os.getpid()))
-    protocol.atomic_write_json(
+    contract.atomic_write_json(
         driver_path(run, base_id),
         {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()), "job_id": base_id, "indices": indices, "tag": tag},
     )
@@ -176,34 +176,34 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: 
         for i, proc in list(running.items()):
             if proc.poll() is not None:
                 del running[i]
-                if proc.returncode == protocol.ExitCode.REQUEUE and _may_requeue(run, i, restarts[i]) and not stop:
+                if proc.returncode == contract.ExitCode.REQUEUE and _may_requeue(run, i, restarts[i]) and not stop:
                     # saved on the checkpoint signal: back in the queue, as SLURM requeues a job
                     restarts[i] += 1
                     signalled.discard(i)
                     pending.insert(0, i)
                     continue
                 codes[i] = proc.returncode
-                protocol.atomic_write_json(
+                contract.atomic_write_json(
                     state_path(run, i),
                     {"state": "ENDED", "exit_code": proc.returncode, "job_id": f"{base_id}_{i}", "time": time.time()},
                 )
         for i in list(pending):
-            if stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists():
+            if stop or contract.cancel_flag_path(contract.task_dir(run, i)).exists():
                 pending.remove(i)
-                protocol.atomic_write_json(state_path(run, i), {"state": "CANCELLED", "job_id": f"{base_id}_{i}", "time": time.time()})
+                contract.atomic_write_json(state_path(run, i), {"state": "CANCELLED", "job_id": f"{base_id}_{i}", "time": time.time()})
         for i, proc in running.items():
-            if i not in signalled and (stop or protocol.cancel_flag_path(protocol.task_dir(run, i)).exists()):
+            if i not in signalled and (stop or contract.cancel_flag_path(contract.task_dir(run, i)).exists()):
                 signalled.add(i)
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)  # the agent stops its ranks and exits CANCELLED
         while pending and len(running) < limit and not stop:
             i = pending.pop(0)
             running[i] = subprocess.Popen(
-                [sys.executable, "-m", "train_entry.agent", str(protocol.task_dir(run, i))],
+                [sys.executable, "-m", "train_entry.agent", str(contract.task_dir(run, i))],
                 env={**env, "ORCHESTRATE_JOB_ID": f"{base_id}_{i}", "ORCHESTRATE_RESTART_COUNT": str(restarts[i])},
                 stdin=subprocess.DEVNULL,
             )
-            protocol.atomic_write_json(
+            contract.atomic_write_json(
                 state_path(run, i),
                 {"state": "RUNNING", "pid": running[i].pid, "restart_count": restarts[i], "job_id": f"{base_id}_{i}", "time": time.time()},
             )
@@ -212,6 +212,6 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: 
 
 
 def _may_requeue(run: Path, index: int, restarts: int) -> bool:
-    cfg = protocol.read_json(protocol.task_config_path(protocol.task_dir(run, index))) or {}
-    cancelled = protocol.cancel_flag_path(protocol.task_dir(run, index)).exists()
+    cfg = contract.read_json(contract.task_config_path(contract.task_dir(run, index))) or {}
+    cancelled = contract.cancel_flag_path(contract.task_dir(run, index)).exists()
     return not cancelled and restarts < cfg.get("retry", {}).get("max_requeues", 100)

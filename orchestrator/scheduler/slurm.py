@@ -27,12 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import commands, fragments, protocol
-from ..errors import SchedulerError, UserError
-from ..plan import Plan
-from ..slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
-from ..units import parse_memory_mb
-from .base import JobRef, Observation
+from orchestrator.scheduler import commands
+
+from orchestrator.submit import fragments
+
+from orchestrator import contract
+from orchestrator.errors import SchedulerError, UserError
+from orchestrator.submit.plan import Plan
+from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
+from orchestrator.spec.units import parse_memory_mb
+from orchestrator.scheduler.base import JobRef, Observation
 
 QUERY_TIMEOUT_S = 30
 CHECK_TIMEOUT_S = 60
@@ -189,7 +193,7 @@ class SlurmScheduler:
             raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
         params = batch_parameters(plan)
         executor.update_parameters(**params)
-        protocol.atomic_write_json(params_path(plan.run_dir), params)  # what a resubmission of one task reuses
+        contract.atomic_write_json(params_path(plan.run_dir), params)  # what a resubmission of one task reuses
         tasks = sorted(plan.tasks, key=lambda t: t.index)
         try:
             jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in tasks])
@@ -242,7 +246,7 @@ class SlurmScheduler:
 
         from train_entry.agent import submitit_entry
 
-        params = protocol.read_json(params_path(run_dir))
+        params = contract.read_json(params_path(run_dir))
         if params is None:
             raise SchedulerError(f"cannot resubmit: {params_path(run_dir)} is missing")
         params.pop("array_parallelism", None)
@@ -253,12 +257,12 @@ class SlurmScheduler:
         params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
         executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit")
         executor.update_parameters(**params)
-        return executor.submit(submitit_entry, str(protocol.task_dir(run_dir, index))).job_id
+        return executor.submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
         """The job a resubmission with ``tag`` made, if SLURM has it (for a watcher that
         died between submitting and recording)."""
-        params = protocol.read_json(params_path(run_dir)) or {}
+        params = contract.read_json(params_path(run_dir)) or {}
         name = f"{params.get('job_name', '')}-{tag}"
         out = commands.query(["squeue", "-h", "--me", "-n", name, "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split()
         if not out:

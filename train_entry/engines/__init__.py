@@ -6,6 +6,6 @@ An engine owns the wrapped model and its optimizer. The loop only calls
 
 from __future__ import annotations
 
-from .base import Engine, build_engine
+from train_entry.engines.base import Engine, build_engine
 
 __all__ = ["Engine", "build_engine"]

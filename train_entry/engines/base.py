@@ -135,15 +135,15 @@ def build_engine(cfg: dict, model: nn.Module, device: torch.device, resume=None)
     if cfg["engine"].get("activation_checkpointing"):
         apply_activation_checkpointing(model, layer_units(model, cfg["engine"].get("wrap")))
     if kind == "ddp":
-        from .ddp import DDPEngine
+        from train_entry.engines.ddp import DDPEngine
 
         return DDPEngine(cfg, model, device)
     if kind == "fsdp":
-        from .fsdp import FSDPEngine
+        from train_entry.engines.fsdp import FSDPEngine
 
         return FSDPEngine(cfg, model, device)
     if kind == "deepspeed":
-        from .deepspeed import DeepSpeedEngine
+        from train_entry.engines.deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(cfg, model, device, resume)
     raise ValueError(f"engine.kind '{kind}' is not known to this trainer")

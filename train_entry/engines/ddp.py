@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import DCPState, Engine, TorchOptimizerStep, autocast, make_optimizer
+from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, autocast, make_optimizer
 
 
 class DDPEngine(DCPState, TorchOptimizerStep, Engine):

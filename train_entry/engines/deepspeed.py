@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Engine, make_optimizer, set_lr
+from train_entry.engines.base import Engine, make_optimizer, set_lr
 
 
 def _skip_unneeded_op_builds(device: torch.device) -> None:

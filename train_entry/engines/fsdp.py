@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import distributed as dist
 
-from .base import DCPState, Engine, TorchOptimizerStep, layer_units, make_optimizer
+from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, layer_units, make_optimizer
 
 
 def device_mesh(device: torch.device, sharding: str, per_node: int):

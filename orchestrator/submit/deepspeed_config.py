@@ -9,8 +9,8 @@ import copy
 import json
 from typing import Any
 
-from .errors import UserError
-from .fragments import templates_dir
+from orchestrator.errors import UserError
+from orchestrator.submit.fragments import templates_dir
 
 # Entries the spec owns: set through these fields, never through engine.config.
 OWNED = {

@@ -7,25 +7,30 @@ plan; everything else is left to the shell.
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import re
-import sys
 from pathlib import Path
 
-from .errors import UserError
+from orchestrator.contract import envvars
+from orchestrator.errors import UserError
 
 COMMON = "common"
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
 
 def templates_dir() -> Path:
-    """$ORCHESTRATE_TEMPLATES, else the checkout's ``templates/``, else the installed copy."""
-    if env := os.environ.get("ORCHESTRATE_TEMPLATES"):
+    """$ORCHESTRATE_TEMPLATES, else the installed package's templates.
+
+    The top-level ``templates/`` folder is installed as the package
+    ``orchestrator.templates`` (pyproject.toml); running from a checkout that was never
+    installed, it is that folder."""
+    if env := os.environ.get(envvars.TEMPLATES):
         return Path(env)
-    checkout = Path(__file__).resolve().parent.parent / "templates"
-    if checkout.is_dir():
-        return checkout
-    return Path(sys.prefix) / "share" / "orchestrate" / "templates"
+    try:
+        return Path(str(importlib.resources.files("orchestrator.templates")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "templates"
 
 
 def available() -> list[str]:

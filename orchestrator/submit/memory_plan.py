@@ -273,7 +273,7 @@ def shape_of(spec) -> Shape:
         vocab = 256 if spec.data.kind == "text" else spec.data.vocab_size
         return gpt_shape(vocab, m.seq_len, m.d_model, m.n_layer, m.n_head)
     if m.kind == "script":
-        from .errors import UserError
+        from orchestrator.errors import UserError
 
         raise UserError("model.kind script: orchestrate plan cannot see the model inside a training script")
     from train_entry.engines.base import layer_units
@@ -287,7 +287,7 @@ def shape_of(spec) -> Shape:
 
 
 def setting_of(spec, nodes: int | None = None, gpus_per_node: int | None = None, gpu_memory: int | None = None) -> Setting:
-    from .units import parse_memory_mb
+    from orchestrator.spec.units import parse_memory_mb
 
     r = spec.resources
     if gpu_memory is None and r.gpu_memory:

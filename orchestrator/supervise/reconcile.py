@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ingest import LaunchRecord
-from .protocol import ExitCode
-from .scheduler.base import Observation
-from .states import AttemptState, TaskState
+from orchestrator.supervise.ingest import LaunchRecord
+from orchestrator.contract import ExitCode
+from orchestrator.scheduler.base import Observation
+from orchestrator.supervise.states import AttemptState, TaskState
 
 _BY_EXIT = {
     ExitCode.OK: AttemptState.COMPLETED,

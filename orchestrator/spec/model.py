@@ -22,9 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from . import yamlsrc
-from .errors import SpecError, SpecIssue, UserError
-from .units import parse_bytes, parse_memory_mb, parse_slurm_time
+from orchestrator.spec import yamlsrc
+from orchestrator.errors import SpecError, SpecIssue, UserError
+from orchestrator.spec.units import parse_bytes, parse_memory_mb, parse_slurm_time
 
 
 class Strict(BaseModel):
@@ -205,7 +205,7 @@ class DeepSpeedEngine(_EngineCommon):
             raise FieldError(("offload_optimizer",), "optimizer offload needs stage 1, 2 or 3")
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise FieldError(("nvme_path",), "NVMe offload needs nvme_path: a fast local folder on every node")
-        from .deepspeed_config import check_overrides, template_names
+        from orchestrator.submit.deepspeed_config import check_overrides, template_names
 
         if self.template not in template_names():
             raise FieldError(("template",), f"no DeepSpeed template '{self.template}'; available: {', '.join(template_names())}")
@@ -302,7 +302,7 @@ class Resources(Strict):
     @field_validator("setup_templates")
     @classmethod
     def _templates(cls, v: list[str]) -> list[str]:
-        from .fragments import available
+        from orchestrator.submit.fragments import available
 
         known = available()
         for name in v:

@@ -22,11 +22,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import ingest, protocol, recovery, service
-from .errors import SchedulerError
-from .ledger import Ledger
-from .scheduler import get_scheduler
-from .states import AttemptState, TaskState
+from orchestrator.supervise import ingest
+
+from orchestrator import contract
+
+from orchestrator.supervise import recovery
+
+from orchestrator.supervise import refresh
+from orchestrator.errors import SchedulerError
+from orchestrator.ledger import Ledger
+from orchestrator.scheduler import get_scheduler
+from orchestrator.supervise.states import AttemptState, TaskState
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ class Watcher:
     def cycle(self, exp_ids: list[str]) -> None:
         exps = [e for e in (self.ledger.experiment(i) for i in exp_ids) if e]
         errors: list[str] = []
-        observations = service.refresh(self.ledger, exps, self.schedulers, errors)
+        observations = refresh.refresh(self.ledger, exps, self.schedulers, errors)
         for exp in exps:
             exp = self.ledger.experiment(exp["id"])
             if TaskState(exp["state"]).terminal:
@@ -83,7 +89,7 @@ class Watcher:
                 attempts = self.ledger.attempts(exp["id"], task["idx"])
                 if not attempts:
                     continue
-                cfg = protocol.read_json(protocol.task_config_path(task["task_dir"])) or {}
+                cfg = contract.read_json(contract.task_config_path(task["task_dir"])) or {}
                 attempt = attempts[-1]
                 if not self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
                     break  # a slow cycle outlived the lease and another watcher took over: it acts now
@@ -129,11 +135,11 @@ class Watcher:
         hang = recovery.find_hang(beats, attempt["launch"], hb_cfg, task.get("step_time_max"), self.clock())
         if hang is None:
             return
-        ldir = protocol.launches_dir(task["task_dir"]) / attempt["launch"]
-        if protocol.generation_end_path(ldir, hang.generation).exists():
+        ldir = contract.launches_dir(task["task_dir"]) / attempt["launch"]
+        if contract.generation_end_path(ldir, hang.generation).exists():
             return  # already being restarted (or stopped) by the agents
-        history = protocol.generation_ends(ldir)[: hang.generation]
-        record = protocol.generation_end(
+        history = contract.generation_ends(ldir)[: hang.generation]
+        record = contract.generation_end(
             "hang",
             hang.cause,
             hang.generation,
@@ -145,7 +151,7 @@ class Watcher:
             node=hang.node,
             by=f"watcher {self.owner}",
         )
-        if protocol.create_exclusive_json(protocol.generation_end_path(ldir, hang.generation), record):
+        if contract.create_exclusive_json(contract.generation_end_path(ldir, hang.generation), record):
             what = "the agents dump every rank's stacks, then restart in place" if record["action"] == "restart" else "the agents dump every rank's stacks, then stop the launch"
             self.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
 

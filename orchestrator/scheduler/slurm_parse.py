@@ -8,9 +8,9 @@ import logging
 import re
 from dataclasses import dataclass
 
-from .protocol import expand_hostlist
-from .scheduler.base import Observation
-from .states import AttemptState
+from orchestrator.contract import expand_hostlist
+from orchestrator.scheduler.base import Observation
+from orchestrator.supervise.states import AttemptState
 
 log = logging.getLogger(__name__)
 

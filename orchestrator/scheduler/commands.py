@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from .errors import SchedulerError
+from orchestrator.errors import SchedulerError
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import deepspeed_config, protocol
-from .spec import Resources, Spec
-from .sweep import TaskSpec
-from .units import parse_bytes
+from orchestrator.submit import deepspeed_config
+
+from orchestrator import contract
+from orchestrator.spec.model import Resources, Spec
+from orchestrator.spec.sweep import TaskSpec
+from orchestrator.spec.units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,11 @@ def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executo
     run_dir = workdir / f"{spec.name}-{experiment_id}"
     planned = []
     for t in tasks:
-        tdir = protocol.task_dir(run_dir, t.index)
+        tdir = contract.task_dir(run_dir, t.index)
         config = t.spec.model_dump(mode="json")
         config.pop("sweep", None)
         config.update(
-            contract=protocol.CONTRACT_VERSION,
+            contract=contract.CONTRACT_VERSION,
             experiment_id=experiment_id,
             index=t.index,
             params=t.params,

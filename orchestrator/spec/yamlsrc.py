@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .errors import SpecError, SpecIssue
+from orchestrator.errors import SpecError, SpecIssue
 
 Path_ = tuple[Any, ...]
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import tenacity
 
-from .reconcile import RECOVERABLE
-from .states import AttemptState
+from orchestrator.supervise.reconcile import RECOVERABLE
+from orchestrator.supervise.states import AttemptState
 
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
 LEARNED_TIMEOUT_MIN_S = 60.0

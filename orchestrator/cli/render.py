@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from .ledger import Ledger
+from orchestrator.ledger import Ledger
 
 
 def status_document(ledger: Ledger, experiments: list[dict], now: float | None = None) -> dict:
@@ -108,7 +108,7 @@ def memory_plan_tables(doc: dict) -> list:
     """`orchestrate plan` as a table of engines and the recommendation under it."""
     from rich.text import Text
 
-    from .memory_plan import human
+    from orchestrator.submit.memory_plan import human
 
     s, m, rec = doc["setting"], doc["model"], doc["recommendation"]
     gpu = human(s["gpu_memory"]) if s["gpu_memory"] else "not given"

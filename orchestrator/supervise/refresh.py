@@ -1,108 +1,22 @@
-"""What the commands do: submit, refresh, cancel. The CLI is a thin layer on top.
-
-``refresh`` is the watcher's cycle: ingest the files compute nodes wrote, ask the
-scheduler once about every live job, and record what changed. Every read command
-runs it first, so the ledger is current without a daemon.
-"""
+"""One refresh cycle: ingest the files compute nodes wrote, ask the scheduler once
+about every live job, and record what changed. Every read command runs it first, so
+the ledger is current without a daemon; the watcher runs it every cycle."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ingest, protocol, reconcile
-from .errors import SchedulerError, UserError
-from .ledger import Ledger
-from .plan import Plan, build_plan
-from .scheduler import JobRef, Observation, Scheduler, default_executor, get_scheduler
-from .spec import dump_resolved, load_spec
-from .protocol import ExitCode
-from .states import AttemptState, TaskState
-from .sweep import expand
+from orchestrator.contract import ExitCode
+from orchestrator.errors import SchedulerError
+from orchestrator.ledger import Ledger
+from orchestrator.scheduler import JobRef, Observation, Scheduler, get_scheduler
+from orchestrator.supervise import ingest, reconcile
+from orchestrator.supervise.states import AttemptState, TaskState
 
 log = logging.getLogger(__name__)
-
-
-def home_dir(override: str | None = None) -> Path:
-    """The per-user folder of the ledger: --home, else $ORCHESTRATE_HOME, else ~/.orchestrate."""
-    return Path(override or os.environ.get("ORCHESTRATE_HOME") or Path.home() / ".orchestrate").expanduser()
-
-
-def open_ledger(home: Path) -> Ledger:
-    return Ledger.open(home / "ledger.db")
-
-
-# ---------------------------------------------------------------- submit
-
-
-def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
-    spec, raw, lines = load_spec(spec_path, overrides)
-    if spec.model.kind == "script":  # the compute nodes need its absolute path
-        script = (Path(spec_path).resolve().parent / Path(spec.model.script).expanduser()).resolve()
-        if not script.is_file():
-            raise UserError(f"{spec_path}: model.script: no file '{script}'")
-        spec.model.script = str(script)
-        from .spec import set_path
-
-        set_path(raw, ("model", "script"), str(script))
-    tasks = expand(spec, raw, lines, str(spec_path))
-    executor = executor or default_executor()
-    workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"
-    return build_plan(
-        spec,
-        tasks,
-        experiment_id=secrets.token_hex(4),
-        executor=executor,
-        spec_path=str(Path(spec_path).resolve()),
-        workdir=workdir.resolve(),
-    )
-
-
-def write_run_folder(plan: Plan) -> None:
-    try:
-        plan.run_dir.mkdir(parents=True, exist_ok=False)
-    except OSError as exc:
-        raise UserError(f"cannot create the run folder '{plan.run_dir}': {exc}; check `workdir`") from None
-    protocol.atomic_write_text(plan.run_dir / "spec.resolved.yaml", dump_resolved(plan.spec))
-    for t in plan.tasks:
-        protocol.atomic_write_json(protocol.task_config_path(t.task_dir), t.config)
-        if "deepspeed_config" in t.config:  # for the user to read; the trainer reads task.json
-            protocol.atomic_write_json(Path(t.task_dir) / "deepspeed.json", t.config["deepspeed_config"])
-
-
-def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:
-    """Write the run folder, record the experiment, submit; on failure leave nothing half-made."""
-    scheduler = scheduler or get_scheduler(plan.executor)
-    write_run_folder(plan)
-    ledger.create_experiment(
-        {
-            "id": plan.experiment_id,
-            "name": plan.name,
-            "executor": plan.executor,
-            "spec_path": plan.spec_path,
-            "run_dir": str(plan.run_dir),
-            "spec": json.dumps(plan.spec.model_dump(mode="json"), sort_keys=True),
-        },
-        [{"idx": t.index, "params": t.params, "task_dir": str(t.task_dir)} for t in plan.tasks],
-    )
-    try:
-        job_ids = scheduler.submit(plan)
-    except BaseException:
-        ledger.delete_experiment(plan.experiment_id)
-        shutil.rmtree(plan.run_dir, ignore_errors=True)
-        raise
-    for idx, job_id in job_ids.items():
-        ledger.add_attempt(plan.experiment_id, idx, job_id, f"submitted to the {scheduler.name} executor as job {job_id}")
-    return job_ids
-
-
-# ---------------------------------------------------------------- refresh
 
 
 @dataclass
@@ -112,7 +26,7 @@ class _Live:
     attempt: dict
 
 
-def _live(ledger: Ledger, experiments: list[dict]) -> list[_Live]:
+def live_attempts(ledger: Ledger, experiments: list[dict]) -> list[_Live]:
     out = []
     for exp in experiments:
         if TaskState(exp["state"]).terminal:
@@ -132,7 +46,7 @@ def refresh(
     """Ingest files, poll once per executor, record what changed; returns the scheduler's
     observations (None when a scheduler could not be asked: nothing may be inferred
     from a job's absence then)."""
-    live = _live(ledger, experiments)
+    live = live_attempts(ledger, experiments)
     schedulers = schedulers or {}
     by_executor: dict[str, list[_Live]] = {}
     for item in live:
@@ -217,35 +131,3 @@ def _apply(ledger: Ledger, exp_id: str, idx: int, attempt: dict, decision: recon
         failed = decision.task_state.terminal and decision.task_state != TaskState.COMPLETED
         reason = decision.attempt.get("reason") if failed else None
         ledger.set_task_state(exp_id, idx, decision.task_state, decision.cause, reason=reason)
-
-
-# ---------------------------------------------------------------- cancel
-
-
-def cancel(ledger: Ledger, exp: dict, index: int | None = None) -> list[int]:
-    """Ask the scheduler to stop live tasks; the next refresh records how they ended."""
-    refs, cancelled = [], []
-    for item in _live(ledger, [exp]):
-        if index is not None and item.task["idx"] != index:
-            continue
-        if AttemptState(item.attempt["state"]).ended:
-            continue
-        refs.append(JobRef(item.attempt["job_id"], Path(exp["run_dir"]), item.task["idx"]))
-        cancelled.append(item.task["idx"])
-    if index is not None and index not in cancelled:
-        tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
-        if index not in tasks:
-            raise UserError(f"experiment {exp['id']} has no task {index} (it has {len(tasks)})")
-    if refs:
-        get_scheduler(exp["executor"]).cancel(refs)
-        for idx in cancelled:
-            ledger.event(exp["id"], "task.cancel_requested", "orchestrate cancel", idx=idx)
-    return cancelled
-
-
-def resolve_experiment(ledger: Ledger, ref: str | None) -> list[dict]:
-    exps = ledger.find_experiments(ref)
-    if ref and not exps:
-        known = ", ".join(sorted({e["name"] for e in ledger.find_experiments()})[:10]) or "none yet"
-        raise UserError(f"no experiment with id or name '{ref}' (known names: {known}); see `orchestrate status`")
-    return exps

@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import spec as spec_mod
-from . import yamlsrc
-from .errors import SpecError, SpecIssue
+from orchestrator.spec import model as spec_mod
+from orchestrator.spec import yamlsrc
+from orchestrator.errors import SpecError, SpecIssue
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,21 @@ import logging
 import sys
 import time
 
-from . import __version__, protocol, render, service
-from .errors import UserError
-from .states import TaskState
+from orchestrator import __version__
+
+from orchestrator import contract
+
+from orchestrator.cli import render
+
+from orchestrator.ledger import access
+
+from orchestrator.submit import submission
+
+from orchestrator.supervise import refresh
+
+from orchestrator.supervise import cancel
+from orchestrator.errors import UserError
+from orchestrator.supervise.states import TaskState
 
 EPILOG = "The ledger lives in --home, else $ORCHESTRATE_HOME, else ~/.orchestrate."
 
@@ -114,17 +126,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_validate(args) -> int:
-    home = service.home_dir(args.home)
-    plan = service.make_plan(args.spec, args.overrides, "local", home)
+    home = access.home_dir(args.home)
+    plan = submission.make_plan(args.spec, args.overrides, "local", home)
     print(f"{args.spec}: valid, {len(plan.tasks)} task(s), world size {plan.resources.world_size} each")
     return 0
 
 
 def cmd_schema(args) -> int:
-    from .spec import Spec
+    from orchestrator.spec.model import Spec
 
     if args.markdown:
-        from .spec_doc import markdown_reference
+        from orchestrator.spec.reference import markdown_reference
 
         print(markdown_reference())
     else:
@@ -133,11 +145,11 @@ def cmd_schema(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from . import memory_plan as mp
-    from .units import parse_memory_mb
+    from orchestrator.submit import memory_plan as mp
+    from orchestrator.spec.units import parse_memory_mb
 
-    home = service.home_dir(args.home)
-    plan = service.make_plan(args.spec, args.overrides, "local", home)
+    home = access.home_dir(args.home)
+    plan = submission.make_plan(args.spec, args.overrides, "local", home)
     tasks = {t.index: t for t in plan.tasks}
     if args.task not in tasks:
         raise UserError(f"--task {args.task}: the sweep has tasks 0..{len(tasks) - 1}")
@@ -159,9 +171,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    home = service.home_dir(args.home)
-    plan = service.make_plan(args.spec, args.overrides, args.executor, home)
-    from .scheduler import get_scheduler
+    home = access.home_dir(args.home)
+    plan = submission.make_plan(args.spec, args.overrides, args.executor, home)
+    from orchestrator.scheduler import get_scheduler
 
     get_scheduler(plan.executor)  # an unavailable executor is an error before anything is written
     if args.dry_run:
@@ -170,8 +182,8 @@ def cmd_submit(args) -> int:
         else:
             print(_dry_run_text(plan))
         return 0
-    ledger = service.open_ledger(home)
-    job_ids = service.submit(ledger, plan)
+    ledger = access.open_ledger(home)
+    job_ids = submission.submit(ledger, plan)
     jobs = ", ".join(sorted(set(job_ids.values())))
     print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})", file=sys.stderr)
     print(f"run folder {plan.run_dir}", file=sys.stderr)
@@ -185,7 +197,7 @@ def _slurm_check(plan) -> str:
     """SLURM's own verdict on the plan (``sbatch --test-only``), when SLURM is here."""
     import shutil
 
-    from .scheduler.slurm import SlurmScheduler
+    from orchestrator.scheduler.slurm import SlurmScheduler
 
     if not shutil.which("sbatch"):
         return "not checked: sbatch is not on PATH here"
@@ -195,7 +207,7 @@ def _slurm_check(plan) -> str:
 def _dry_run_doc(plan) -> dict:
     doc = plan.summary()
     if plan.executor == "slurm":
-        from .scheduler.slurm import render_batch_script
+        from orchestrator.scheduler.slurm import render_batch_script
 
         doc["sbatch_script"] = render_batch_script(plan)
         doc["slurm_check"] = _slurm_check(plan)
@@ -203,11 +215,11 @@ def _dry_run_doc(plan) -> dict:
 
 
 def _dry_run_text(plan) -> str:
-    from .plan import render_plan_text
+    from orchestrator.submit.plan import render_plan_text
 
     text = render_plan_text(plan)
     if plan.executor == "slurm":
-        from .scheduler.slurm import render_batch_script
+        from orchestrator.scheduler.slurm import render_batch_script
 
         text += "\n\n# the batch script that would be submitted (one job array):\n" + render_batch_script(plan)
         text += f"\n# sbatch --test-only: {_slurm_check(plan)}"
@@ -219,7 +231,7 @@ def _wait(ledger, exp_id: str, as_json: bool, interval: float) -> int:
     from rich.console import Console, Group
     from rich.live import Live
 
-    from . import watcher
+    from orchestrator.supervise import watcher
 
     console = Console(stderr=True)
     seen = [0]
@@ -252,16 +264,16 @@ def _wait(ledger, exp_id: str, as_json: bool, interval: float) -> int:
 
 
 def cmd_watch(args) -> int:
-    from . import watcher
+    from orchestrator.supervise import watcher
 
     if args.interval <= 0:
         raise UserError("--interval must be positive")
-    home = service.home_dir(args.home)
+    home = access.home_dir(args.home)
     if args.sbatch:
         return _watch_as_job(args, home)
-    ledger = service.open_ledger(home)
+    ledger = access.open_ledger(home)
     if args.experiment:
-        exp = service.resolve_experiment(ledger, args.experiment)[0]
+        exp = access.resolve_experiment(ledger, args.experiment)[0]
         if args.once:
             watcher.watch(ledger, [exp["id"]], args.interval, once=True)
             return 0
@@ -284,7 +296,7 @@ def _watch_as_job(args, home) -> int:
     """Submit `orchestrate watch` as a one-CPU SLURM job (the script holds only quoted argv)."""
     import shlex
 
-    from . import commands
+    from orchestrator.scheduler import commands
 
     argv = [sys.executable, "-m", "orchestrator", "--home", str(home), "watch", "--interval", str(args.interval)]
     if args.experiment:
@@ -292,7 +304,7 @@ def _watch_as_job(args, home) -> int:
     logs = home / "watcher"
     logs.mkdir(parents=True, exist_ok=True)
     script = logs / "watch.sbatch"
-    protocol.atomic_write_text(script, "#!/bin/bash\nexec " + " ".join(shlex.quote(a) for a in argv) + "\n")
+    contract.atomic_write_text(script, "#!/bin/bash\nexec " + " ".join(shlex.quote(a) for a in argv) + "\n")
     out = commands.run(
         ["sbatch", "--parsable", "-J", "orchestrate-watch", "-N1", "-n1", "-c1", f"--time={args.time}",
          "-o", str(logs / "watch-%j.log"), "--requeue", str(script)],
@@ -315,16 +327,16 @@ def _console():
 
 
 def _refresh_one(ledger, exp_id: str) -> dict:
-    service.refresh(ledger, [ledger.experiment(exp_id)])
+    refresh.refresh(ledger, [ledger.experiment(exp_id)])
     return ledger.experiment(exp_id)
 
 
 def cmd_status(args) -> int:
-    ledger = service.open_ledger(service.home_dir(args.home))
-    exps = service.resolve_experiment(ledger, args.experiment)
+    ledger = access.open_ledger(access.home_dir(args.home))
+    exps = access.resolve_experiment(ledger, args.experiment)
     if args.experiment and not args.all:
         exps = exps[:1]
-    service.refresh(ledger, exps)
+    refresh.refresh(ledger, exps)
     exps = [ledger.experiment(e["id"]) for e in exps]
     doc = render.status_document(ledger, exps)
     if args.json:
@@ -338,9 +350,9 @@ def cmd_status(args) -> int:
 
 
 def cmd_events(args) -> int:
-    ledger = service.open_ledger(service.home_dir(args.home))
-    exp = service.resolve_experiment(ledger, args.experiment)[0]
-    service.refresh(ledger, [exp])
+    ledger = access.open_ledger(access.home_dir(args.home))
+    exp = access.resolve_experiment(ledger, args.experiment)[0]
+    refresh.refresh(ledger, [exp])
     events = ledger.events(exp["id"])
     if args.json:
         print(json.dumps(events, indent=2))
@@ -351,12 +363,12 @@ def cmd_events(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    ledger = service.open_ledger(service.home_dir(args.home))
-    exp = service.resolve_experiment(ledger, args.experiment)[0]
+    ledger = access.open_ledger(access.home_dir(args.home))
+    exp = access.resolve_experiment(ledger, args.experiment)[0]
     tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
     if args.task not in tasks:
         raise UserError(f"experiment {exp['id']} has tasks 0..{len(tasks) - 1}, not {args.task}")
-    path = protocol.log_path(tasks[args.task]["task_dir"], args.rank)
+    path = contract.log_path(tasks[args.task]["task_dir"], args.rank)
     pos = 0
     while True:
         if path.exists():
@@ -379,9 +391,9 @@ def cmd_logs(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    ledger = service.open_ledger(service.home_dir(args.home))
-    exp = service.resolve_experiment(ledger, args.experiment)[0]
-    done = service.cancel(ledger, exp, args.task)
+    ledger = access.open_ledger(access.home_dir(args.home))
+    exp = access.resolve_experiment(ledger, args.experiment)[0]
+    done = cancel.cancel(ledger, exp, args.task)
     if done:
         print(f"cancelling task(s) {', '.join(map(str, done))} of {exp['name']} ({exp['id']})")
     else:
@@ -393,10 +405,10 @@ def _one_checkpoint(path: str, good_only: bool = False):
     """A checkpoint folder as given, or the newest (good) one under a task folder."""
     from pathlib import Path
 
-    from . import ckpt
+    from orchestrator.checkpoints import commands as ckpt
 
     folder = Path(path).expanduser()
-    if (folder / protocol.MANIFEST).exists() or folder.name.startswith((".tmp-", "step-")):
+    if (folder / contract.MANIFEST).exists() or folder.name.startswith((".tmp-", "step-")):
         return folder
     found = [c for c in ckpt.find(folder) if (c.verified if good_only else c.committed)]
     if not found:
@@ -411,19 +423,19 @@ def _ckpt_target(home, target: str):
     path = Path(target).expanduser()
     if path.exists():
         return path, None
-    ledger = service.open_ledger(home)
-    exp = service.resolve_experiment(ledger, target)[0]
+    ledger = access.open_ledger(home)
+    exp = access.resolve_experiment(ledger, target)[0]
     return Path(exp["run_dir"]), (ledger, exp)
 
 
 def cmd_ckpt(args) -> int:
-    from . import ckpt
+    from orchestrator.checkpoints import commands as ckpt
 
-    home = service.home_dir(args.home)
+    home = access.home_dir(args.home)
     if args.ckpt_command == "consolidate":
         from train_entry.consolidate import ConsolidateError, consolidate
 
-        from .units import parse_bytes
+        from orchestrator.spec.units import parse_bytes
 
         try:
             max_bytes = parse_bytes(args.max_shard_size)
@@ -443,7 +455,7 @@ def cmd_ckpt(args) -> int:
         if problem:
             print(f"damaged: {problem}", file=sys.stderr)
             return 1
-        manifest = protocol.read_json(folder / protocol.MANIFEST)
+        manifest = contract.read_json(folder / contract.MANIFEST)
         print(f"{folder}: good ({len(manifest['files'])} files, sizes and sha256 as the manifest says)")
         return 0
     path, owner = _ckpt_target(home, args.target)
@@ -473,7 +485,7 @@ def cmd_ckpt(args) -> int:
         return 0
     for c in plan.remove:
         try:
-            protocol.discard_checkpoint(c.folder)
+            contract.discard_checkpoint(c.folder)
         except FileNotFoundError:
             continue  # removed meanwhile (the run's own rotation): the same end
         if owner and c.step is not None and c.task.isdigit():

@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import protocol
-from .ledger import Ledger
+from orchestrator import contract
+from orchestrator.ledger import Ledger
 
 
 _ROOT_CAUSE_RANK = {
-    protocol.ExitCode.USER_ERROR: 0,
-    protocol.ExitCode.OUT_OF_MEMORY: 1,
-    protocol.ExitCode.REQUEUE: 3,
-    protocol.ExitCode.CANCELLED: 4,
+    contract.ExitCode.USER_ERROR: 0,
+    contract.ExitCode.OUT_OF_MEMORY: 1,
+    contract.ExitCode.REQUEUE: 3,
+    contract.ExitCode.CANCELLED: 4,
 }
 
 
@@ -64,11 +64,11 @@ class LaunchRecord:
 def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
     """Every launch of a task that has a start record, oldest first."""
     out = []
-    base = protocol.launches_dir(task_dir)
+    base = contract.launches_dir(task_dir)
     if not base.is_dir():
         return out
     for d in base.iterdir():
-        start = protocol.read_json(d / "start.json")
+        start = contract.read_json(d / "start.json")
         if not start:
             continue
         rec = LaunchRecord(
@@ -80,17 +80,17 @@ def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
             started=float(start["time"]),
         )
         for f in sorted(d.glob("node-*.json")):
-            if (r := protocol.read_json(f)) is not None:
+            if (r := contract.read_json(f)) is not None:
                 rec.node_records.append(r)
-        rec.generations = protocol.generation_ends(d)
+        rec.generations = contract.generation_ends(d)
         final = max((r.get("generation", 0) for r in rec.node_records), default=len(rec.generations))
         for f in sorted(d.glob("*.error.json")):  # the ranks', and a job step's (the consolidation)
             # an error of a generation that was restarted is history, not this launch's end
-            if (e := protocol.read_json(f)) is not None and e.get("generation", 0) == final:
+            if (e := contract.read_json(f)) is not None and e.get("generation", 0) == final:
                 rec.errors.append(e)
-        rec.requeue = protocol.read_json(d / "requeue.json")
+        rec.requeue = contract.read_json(d / "requeue.json")
         for f in d.glob("unresponsive-*.json"):
-            rec.unresponsive += (protocol.read_json(f) or {}).get("nodes", [])
+            rec.unresponsive += (contract.read_json(f) or {}).get("nodes", [])
         out.append(rec)
     return sorted(out, key=lambda r: (r.started, r.restart_count))
 
@@ -98,10 +98,10 @@ def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
 def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path) -> None:
     """Heartbeats and metrics of one task into the ledger, and its progress columns."""
     hb_rows = []
-    hb_dir = protocol.heartbeat_dir(task_dir)
+    hb_dir = contract.heartbeat_dir(task_dir)
     if hb_dir.is_dir():
         for f in hb_dir.glob("rank-*.json"):
-            rec = protocol.read_json(f)
+            rec = contract.read_json(f)
             if not rec:
                 continue
             hb_rows.append(
@@ -119,9 +119,9 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
                     "time": rec.get("time"),
                 }
             )
-    mpath = protocol.metrics_path(task_dir)
+    mpath = contract.metrics_path(task_dir)
     offset = ledger.cursor(str(mpath))
-    metrics, new_offset = protocol.read_jsonl_from(mpath, offset)
+    metrics, new_offset = contract.read_jsonl_from(mpath, offset)
     metric_rows = [
         {
             "experiment_id": exp_id,
@@ -135,9 +135,9 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
         for m in metrics
         if "step" in m
     ]
-    epath = protocol.events_path(task_dir)
+    epath = contract.events_path(task_dir)
     eoffset = ledger.cursor(str(epath))
-    trainer_events, new_eoffset = protocol.read_jsonl_from(epath, eoffset)
+    trainer_events, new_eoffset = contract.read_jsonl_from(epath, eoffset)
     if not hb_rows and not metric_rows and not trainer_events:
         return
     with ledger.tx():
@@ -166,7 +166,7 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
 def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: dict, launch: LaunchRecord, task_dir: str) -> None:
     """One event per generation of the attempt's ranks that ended in place (a restart, or
     the decision to stop the launch), each recorded once."""
-    ldir = protocol.launches_dir(task_dir) / launch.key
+    ldir = contract.launches_dir(task_dir) / launch.key
     key = str(ldir / "gen-*.end.json")
     done = ledger.cursor(key)
     ends = launch.generations

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import protocol
-from .errors import UserError
+from orchestrator import contract
+from orchestrator.errors import UserError
 
 
 @dataclass
@@ -35,7 +35,7 @@ def task_dirs(path: Path) -> list[Path]:
     """Task folders under a run folder, or the one task folder given."""
     if (path / "tasks").is_dir():
         return sorted((d for d in (path / "tasks").iterdir() if d.is_dir()), key=lambda d: int(d.name) if d.name.isdigit() else 0)
-    if (path / "checkpoints").is_dir() or protocol.task_config_path(path).exists():
+    if (path / "checkpoints").is_dir() or contract.task_config_path(path).exists():
         return [path]
     return []
 
@@ -45,14 +45,14 @@ def find(path: Path, deep: bool = False) -> list[Checkpoint]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"'{path}' does not exist; give an experiment, a run or task folder, or a checkpoint folder")
-    if (path / protocol.MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
+    if (path / contract.MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
         return [describe(path, "-", deep)]
     if path.name == "checkpoints":
         return [describe(d, "-", deep) for d in _folders(path)]
     dirs = task_dirs(path)
     if not dirs:
         raise UserError(f"'{path}' holds no checkpoints: not a run, task or checkpoint folder")
-    return [describe(d, t.name, deep) for t in dirs for d in _folders(protocol.checkpoints_dir(t))]
+    return [describe(d, t.name, deep) for t in dirs for d in _folders(contract.checkpoints_dir(t))]
 
 
 def _folders(base: Path) -> list[Path]:
@@ -70,14 +70,14 @@ def _step(folder: Path) -> int | None:
 
 
 def describe(folder: Path, task: str, deep: bool = False) -> Checkpoint:
-    manifest = protocol.read_json(folder / protocol.MANIFEST)
+    manifest = contract.read_json(folder / contract.MANIFEST)
     committed = folder.name.startswith("step-") and isinstance(manifest, dict)
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     ck = Checkpoint(task, _step(folder), folder, committed, size=size)
     if committed:
         ck.engine = manifest.get("engine")
         ck.world_size = manifest.get("world_size")
-        ck.problem = protocol.verify_checkpoint(folder, deep=deep)
+        ck.problem = contract.verify_checkpoint(folder, deep=deep)
     else:
         ck.problem = "not committed (a save that never finished; never loaded)"
     return ck
@@ -87,11 +87,11 @@ def verify(folder: Path) -> str | None:
     """Deep check of one checkpoint: every file the manifest names present, with its size
     and sha256. None when it is good, else what is wrong (naming the file)."""
     folder = Path(folder)
-    if not (folder / protocol.MANIFEST).exists():
+    if not (folder / contract.MANIFEST).exists():
         if folder.name.startswith(".tmp-"):
             return f"{folder}: not committed (a save that never finished)"
-        return f"{folder}: no {protocol.MANIFEST}: not a committed checkpoint"
-    problem = protocol.verify_checkpoint(folder, deep=True)
+        return f"{folder}: no {contract.MANIFEST}: not a committed checkpoint"
+    problem = contract.verify_checkpoint(folder, deep=True)
     return f"{folder}: {problem}" if problem else None
 
 

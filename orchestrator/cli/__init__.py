@@ -1,0 +1,2 @@
+"""The ``orchestrate`` command: argument parsing (``main``), one module per command
+group, and the terminal renderers (``render``)."""

@@ -1,0 +1,19 @@
+"""Names of the environment variables the two sides pass each other (and users set)."""
+
+HOME = "ORCHESTRATE_HOME"  # the ledger's folder (login side)
+TEMPLATES = "ORCHESTRATE_TEMPLATES"  # a folder of the user's own sbatch fragments
+RUN_DIR = "ORCHESTRATE_RUN_DIR"  # exported by the batch script's common fragment
+
+# set by the node agent for every rank it starts
+TASK_DIR = "ORCHESTRATE_TASK_DIR"
+LAUNCH = "ORCHESTRATE_LAUNCH"
+NODE = "ORCHESTRATE_NODE"
+GENERATION = "ORCHESTRATE_GENERATION"
+
+# set by the local executor's driver for each agent it starts (SLURM's own variables otherwise)
+JOB_ID = "ORCHESTRATE_JOB_ID"
+RESTART_COUNT = "ORCHESTRATE_RESTART_COUNT"
+
+# tests and benchmarks only
+FAULT_INJECT = "ORCHESTRATE_FAULT_INJECT"  # the watcher dies at a named point, as a killed one would
+FAULT_SLOW_SAVE_S = "ORCHESTRATE_FAULT_SLOW_SAVE_S"  # every checkpoint write sleeps this long first

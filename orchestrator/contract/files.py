@@ -1,0 +1,99 @@
+"""Files another process reads: written atomically, read without ever raising."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write, fsync, rename: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+def create_exclusive_json(path: str | os.PathLike, obj: Any) -> bool:
+    """Write ``obj`` to ``path`` only if no one has: complete or absent, and of several
+    writers (agents on different nodes, a watcher) exactly one wins. Returns whether we did."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)  # atomic, and fails if the name exists (also on NFS)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def read_json(path: str | os.PathLike) -> Any | None:
+    """The parsed file, or None when it is absent or unreadable (never raises)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def append_jsonl(path: str | os.PathLike, obj: Any) -> None:
+    """Append one line; readers consume only lines that end in a newline."""
+    line = json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()
+
+
+def read_jsonl_from(path: str | os.PathLike, offset: int) -> tuple[list[Any], int]:
+    """Complete lines from byte ``offset`` on, and the offset after the last one read."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    rows = []
+    for line in data[: end + 1].splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a damaged line is skipped, never fatal
+    return rows, offset + end + 1
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

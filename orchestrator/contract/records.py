@@ -1,0 +1,37 @@
+"""Records the compute side writes for the login side (their fields, in one place)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+CONTRACT_VERSION = 1
+
+
+def heartbeat_record(
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    node: str,
+    launch: str,
+    step: int,
+    phase: str,
+    step_time_s: float | None = None,
+    generation: int = 0,
+) -> dict:
+    """One rank's heartbeat. ``phase``: init, train, saving, requeue, done, failed."""
+    return {
+        "v": CONTRACT_VERSION,
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world_size,
+        "node": node,
+        "pid": os.getpid(),
+        "launch": launch,
+        "generation": generation,
+        "step": step,
+        "phase": phase,
+        "step_time_s": step_time_s,
+        "time": time.time(),
+    }

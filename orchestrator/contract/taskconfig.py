@@ -1,0 +1,233 @@
+"""What one task runs: the typed form of ``task.json``, read on the compute nodes.
+
+The login side validates the spec (pydantic) and writes ``task.json`` from it; the
+compute side reads it back through ``TaskConfig.load``, so that no module there
+spells a default again with ``.get(key, default)``. The defaults below are the
+spec's own: ``tests/test_contract.py`` checks every one against the spec models.
+
+The model, data and engine sections differ by ``kind`` and were validated by the
+spec; they cross as read-only mappings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .files import read_json
+from .layout import PathLike, task_config_path
+from .records import CONTRACT_VERSION
+
+
+class TaskConfigError(ValueError):
+    """task.json is missing, of another contract version, or not what the spec writes."""
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int = 1
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    gpus_per_task: int = 0
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.0
+    grad_clip: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro_batch_size: int = 8
+    grad_accum: int = 1  # the spec resolves null before task.json is written
+
+
+@dataclass(frozen=True)
+class Logging:
+    every_steps: int = 10
+
+
+@dataclass(frozen=True)
+class Consolidate:
+    dtype: str = "fp32"
+    format: str = "safetensors"
+    max_shard_size: str = "5GB"
+    timeout_min: float = 120
+    max_shard_bytes: int = 5 << 30  # max_shard_size in bytes, computed by the planner
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    keep_last: int = 2
+    async_save: bool = False
+    verify: str = "sha256"
+    signal: str = "USR2"
+    signal_before_s: int = 120
+    resume_from: str | None = None
+    consolidate: Consolidate | None = None
+
+
+@dataclass(frozen=True)
+class Retry:
+    max_restarts: int = 3
+    max_recoveries: int = 3
+    max_requeues: int = 100
+    backoff_s: float = 30.0
+    backoff_max_s: float = 600.0
+    exclude_failed_nodes: bool = True
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    interval_s: float = 10.0
+    timeout_s: float | None = None
+    startup_timeout_s: float = 900.0
+    save_timeout_s: float = 1800.0
+
+
+_SECTIONS = {
+    "resources": Resources,
+    "optimizer": Optimizer,
+    "schedule": Schedule,
+    "batch": Batch,
+    "logging": Logging,
+    "checkpoint": Checkpoint,
+    "retry": Retry,
+    "heartbeat": Heartbeat,
+}
+_MAPPINGS = ("model", "data", "engine")
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return types.MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thawed(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thawed(v) for v in value]
+    return value
+
+
+def _section(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise TaskConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    # the spec may hold more (login-side fields such as resources.partition); we take ours
+    kwargs = {k: v for k, v in raw.items() if k in names}
+    if cls is Checkpoint and kwargs.get("consolidate") is not None:
+        kwargs["consolidate"] = _section(Consolidate, kwargs["consolidate"], f"{where}.consolidate")
+    if cls is Optimizer and "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    experiment_id: str
+    index: int
+    task_dir: str
+    steps: int
+    name: str = ""
+    seed: int = 0
+    params: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    model: Mapping[str, Any] = field(default_factory=dict)
+    data: Mapping[str, Any] = field(default_factory=dict)
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    resources: Resources = field(default_factory=Resources)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    schedule: Schedule = field(default_factory=Schedule)
+    batch: Batch = field(default_factory=Batch)
+    logging: Logging = field(default_factory=Logging)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    retry: Retry = field(default_factory=Retry)
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    deepspeed_config: Mapping[str, Any] | None = None
+    contract: int = CONTRACT_VERSION
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "TaskConfig":
+        if not isinstance(raw, Mapping):
+            raise TaskConfigError("task.json: expected a mapping")
+        if raw.get("contract") != CONTRACT_VERSION:
+            raise TaskConfigError(
+                f"task.json: contract version {raw.get('contract')!r}, this version reads {CONTRACT_VERSION}; "
+                "submit the experiment again with this version"
+            )
+        try:
+            kwargs: dict[str, Any] = {
+                "experiment_id": str(raw["experiment_id"]),
+                "index": int(raw["index"]),
+                "task_dir": str(raw["task_dir"]),
+                "steps": int(raw["steps"]),
+            }
+        except KeyError as exc:
+            raise TaskConfigError(f"task.json: no field {exc.args[0]!r}") from None
+        for key in ("name", "seed", "contract"):
+            if key in raw:
+                kwargs[key] = raw[key]
+        for key in ("params", "env", *_MAPPINGS):
+            value = raw.get(key) or {}
+            if not isinstance(value, Mapping):
+                raise TaskConfigError(f"task.json: {key}: expected a mapping")
+            kwargs[key] = _frozen(value)
+        if raw.get("deepspeed_config") is not None:
+            kwargs["deepspeed_config"] = _frozen(raw["deepspeed_config"])
+        for key, section in _SECTIONS.items():
+            try:
+                kwargs[key] = _section(section, raw.get(key), key)
+            except TypeError as exc:
+                raise TaskConfigError(f"task.json: {key}: {exc}") from None
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, tdir: PathLike) -> "TaskConfig":
+        raw = read_json(task_config_path(tdir))
+        if raw is None:
+            raise TaskConfigError(f"cannot read {task_config_path(tdir)}")
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (what ``task.json`` holds)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else _thawed(value)
+        return out
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.task_dir)
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.resources.tasks_per_node
+
+    @property
+    def uses_cuda_request(self) -> bool:
+        return self.resources.gpus_per_task > 0

@@ -1,0 +1,75 @@
+"""Submit: spec -> plan -> run folder and ledger rows -> the scheduler, all or nothing."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from pathlib import Path
+
+from orchestrator import contract
+from orchestrator.errors import UserError
+from orchestrator.ledger import Ledger
+from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
+from orchestrator.spec.model import dump_resolved, load_spec, set_path
+from orchestrator.spec.sweep import expand
+from orchestrator.submit.plan import Plan, build_plan
+
+
+def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
+    spec, raw, lines = load_spec(spec_path, overrides)
+    if spec.model.kind == "script":  # the compute nodes need its absolute path
+        script = (Path(spec_path).resolve().parent / Path(spec.model.script).expanduser()).resolve()
+        if not script.is_file():
+            raise UserError(f"{spec_path}: model.script: no file '{script}'")
+        spec.model.script = str(script)
+        set_path(raw, ("model", "script"), str(script))
+    tasks = expand(spec, raw, lines, str(spec_path))
+    executor = executor or default_executor()
+    workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"
+    return build_plan(
+        spec,
+        tasks,
+        experiment_id=secrets.token_hex(4),
+        executor=executor,
+        spec_path=str(Path(spec_path).resolve()),
+        workdir=workdir.resolve(),
+    )
+
+
+def write_run_folder(plan: Plan) -> None:
+    try:
+        plan.run_dir.mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        raise UserError(f"cannot create the run folder '{plan.run_dir}': {exc}; check `workdir`") from None
+    contract.atomic_write_text(plan.run_dir / "spec.resolved.yaml", dump_resolved(plan.spec))
+    for t in plan.tasks:
+        contract.atomic_write_json(contract.task_config_path(t.task_dir), t.config)
+        if "deepspeed_config" in t.config:  # for the user to read; the trainer reads task.json
+            contract.atomic_write_json(Path(t.task_dir) / "deepspeed.json", t.config["deepspeed_config"])
+
+
+def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:
+    """Write the run folder, record the experiment, submit; on failure leave nothing half-made."""
+    scheduler = scheduler or get_scheduler(plan.executor)
+    write_run_folder(plan)
+    ledger.create_experiment(
+        {
+            "id": plan.experiment_id,
+            "name": plan.name,
+            "executor": plan.executor,
+            "spec_path": plan.spec_path,
+            "run_dir": str(plan.run_dir),
+            "spec": json.dumps(plan.spec.model_dump(mode="json"), sort_keys=True),
+        },
+        [{"idx": t.index, "params": t.params, "task_dir": str(t.task_dir)} for t in plan.tasks],
+    )
+    try:
+        job_ids = scheduler.submit(plan)
+    except BaseException:
+        ledger.delete_experiment(plan.experiment_id)
+        shutil.rmtree(plan.run_dir, ignore_errors=True)
+        raise
+    for idx, job_id in job_ids.items():
+        ledger.add_attempt(plan.experiment_id, idx, job_id, f"submitted to the {scheduler.name} executor as job {job_id}")
+    return job_ids

@@ -1,0 +1,109 @@
+import os
+
+import pytest
+
+from orchestrator import contract
+from orchestrator.spec.units import format_slurm_time, parse_memory_mb, parse_slurm_time
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("n1", ["n1"]),
+        ("n[1-3]", ["n1", "n2", "n3"]),
+        ("n[1-2,5],gpu[08-10]", ["n1", "n2", "n5", "gpu08", "gpu09", "gpu10"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("a,b", ["a", "b"]),
+    ],
+)
+def test_expand_hostlist(text, expected):
+    assert contract.expand_hostlist(text) == expected
+
+
+def test_slurm_units():
+    assert parse_slurm_time("90") == 5400
+    assert parse_slurm_time("1:30") == 90
+    assert parse_slurm_time("01:00:00") == 3600
+    assert parse_slurm_time("2-00:00:00") == 172800
+    assert parse_slurm_time("1-2") == 93600
+    with pytest.raises(ValueError):
+        parse_slurm_time("1h")
+    assert format_slurm_time(93784) == "1-02:03:04"
+    assert parse_memory_mb("4G") == 4096 and parse_memory_mb("500M") == 500 and parse_memory_mb("1024") == 1024
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path):
+    target = tmp_path / "sub" / "hb.json"
+    contract.atomic_write_json(target, {"a": 1})
+    contract.atomic_write_json(target, {"a": 2})
+    assert contract.read_json(target) == {"a": 2}
+    assert os.listdir(target.parent) == ["hb.json"]
+    assert contract.read_json(tmp_path / "absent.json") is None
+
+
+def test_jsonl_reader_takes_only_complete_lines(tmp_path):
+    p = tmp_path / "m.jsonl"
+    contract.append_jsonl(p, {"step": 1})
+    with open(p, "a") as fh:
+        fh.write('{"step": 2')  # a writer caught mid-line
+    rows, off = contract.read_jsonl_from(p, 0)
+    assert rows == [{"step": 1}]
+    with open(p, "a") as fh:
+        fh.write("}\n")
+    rows, off2 = contract.read_jsonl_from(p, off)
+    assert rows == [{"step": 2}] and off2 == p.stat().st_size
+
+
+def test_ports_differ_between_jobs_and_generations():
+    ports = {contract.derive_port(str(j)) for j in range(1000, 1100)}
+    assert len(ports) == 100 and all(20000 <= p < 50000 for p in ports)
+    assert contract.derive_port("1234_5") != contract.derive_port("1234_5", generation=1)
+
+
+def test_task_config_defaults_are_the_specs():
+    """TaskConfig spells each default once; it must be the spec's own."""
+    import dataclasses
+
+    from orchestrator.contract import taskconfig as tc
+    from orchestrator.spec import model as spec
+
+    pairs = {
+        tc.Resources: spec.Resources, tc.Optimizer: spec.Optimizer, tc.Schedule: spec.Schedule, tc.Batch: spec.Batch,
+        tc.Logging: spec.Logging, tc.Checkpoint: spec.Checkpoint, tc.Retry: spec.Retry, tc.Heartbeat: spec.Heartbeat,
+        tc.Consolidate: spec.Consolidate,
+    }
+    checked = 0
+    for ours, theirs in pairs.items():
+        for f in dataclasses.fields(ours):
+            if f.name not in theirs.model_fields:
+                continue  # computed by the planner (max_shard_bytes) or resolved (grad_accum)
+            default = theirs.model_fields[f.name].get_default(call_default_factory=True)
+            if f.name == "grad_accum":
+                continue  # null in the spec, resolved before task.json is written
+            assert f.default == default, f"{ours.__name__}.{f.name}: {f.default!r} != spec {default!r}"
+            checked += 1
+    assert checked >= 30
+
+
+def test_task_config_round_trips_what_the_planner_writes(tmp_path):
+    from orchestrator.contract import TaskConfig, TaskConfigError
+    from orchestrator.spec.model import load_spec
+    from orchestrator.spec.sweep import expand
+    from orchestrator.submit.plan import build_plan
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: t\nsteps: 5\nengine: {kind: deepspeed, stage: 3}\ncheckpoint: {consolidate: {dtype: bf16}}\n")
+    spec, raw, lines = load_spec(str(path), [])
+    plan = build_plan(spec, expand(spec, raw, lines, str(path)), experiment_id="x", executor="local", spec_path=str(path), workdir=tmp_path)
+    cfg = plan.tasks[0].config
+    assert isinstance(cfg, TaskConfig)
+    again = TaskConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+    assert cfg.engine["stage"] == 3 and cfg.deepspeed_config["zero_optimization"]["stage"] == 3
+    assert cfg.checkpoint.consolidate.dtype == "bf16" and cfg.checkpoint.consolidate.max_shard_bytes == 5 << 30
+    assert cfg.retry.max_restarts == 3 and cfg.batch.grad_accum == 1
+    with pytest.raises(TaskConfigError, match="contract version"):
+        TaskConfig.from_dict({**cfg.to_dict(), "contract": 99})
+    with pytest.raises(TaskConfigError, match="retry"):
+        TaskConfig.from_dict({**cfg.to_dict(), "retry": {"max_restarts": 1, "nonsense": 2}} | {"retry": 5})
+
