@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# An illegal ledger state change fails the test (in production it is an event); the
+# CLI processes and watchers the tests start inherit it.
+os.environ.setdefault("ORCHESTRATE_STRICT_TRANSITIONS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

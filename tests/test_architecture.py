@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from orchestrator import contract
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -120,6 +122,9 @@ def one_experiment(tmp_path_factory):
         [{"idx": t.index, "params": t.params, "task_dir": str(t.task_dir)} for t in plan.tasks],
     )
     ledger.add_attempt(plan.experiment_id, 0, "12345_0", "test")
+    log = contract.log_path(plan.tasks[0].task_dir, 0)
+    log.parent.mkdir(parents=True)
+    log.write_text("step 1 loss 3.0\n")
     return spec, home
 
 

@@ -1,9 +1,8 @@
 import time
 
-from orchestrator.supervise import ingest
-
 from orchestrator import contract
-from orchestrator.supervise.ingest import LaunchRecord
+from orchestrator.supervise import ingest
+from orchestrator.supervise.launches import LaunchRecord, read_launches
 from orchestrator.ledger import Ledger
 from orchestrator.contract import ExitCode
 from orchestrator.supervise.reconcile import decide
@@ -54,11 +53,11 @@ def test_read_launches_waits_for_every_node(tmp_path):
     ldir = contract.launches_dir(tdir) / "7_0.0"
     contract.atomic_write_json(ldir / "start.json", {"launch": "7_0.0", "job_id": "7_0", "restart_count": 0, "nodes": ["n1", "n2"], "world_size": 4, "time": 1.0})
     contract.atomic_write_json(ldir / "node-0.json", {"exit_code": 4, "ended": 5.0})
-    (rec,) = ingest.read_launches(tdir)
+    (rec,) = read_launches(tdir)
     assert not rec.ended
     contract.atomic_write_json(ldir / "node-1.json", {"exit_code": 3, "ended": 6.0})
     contract.atomic_write_json(ldir / "rank-3.error.json", {"rank": 3, "exit_code": 3, "type": "ValueError", "message": "bad", "traceback": "tb", "time": 2.0})
-    (rec,) = ingest.read_launches(tdir)
+    (rec,) = read_launches(tdir)
     assert rec.ended and rec.exit_code == ExitCode.USER_ERROR and rec.ended_at == 6.0
 
 
@@ -128,17 +127,17 @@ def test_restarts_in_place_become_one_event_each_and_only_the_last_generations_e
     first = contract.generation_end("user_error", "rank 1 raised ValueError", 0, [], 3, step=2)
     contract.create_exclusive_json(contract.generation_end_path(ldir, 0), first)
     contract.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "old", "traceback": "tb0", "generation": 0, "time": 2.0})
-    (rec,) = ingest.read_launches(tdir)
+    (rec,) = read_launches(tdir)
     assert rec.errors == []  # generation 0's error is history once the launch runs on
     attempt = ledger.attempt("e", 0, number)
-    ingest.ingest_restarts(ledger, "e", 0, attempt, rec, str(tdir))
-    ingest.ingest_restarts(ledger, "e", 0, ledger.attempt("e", 0, number), rec, str(tdir))  # idempotent
+    ingest.ingest_restarts(ledger, "e", 0, attempt["number"], rec, str(tdir))
+    ingest.ingest_restarts(ledger, "e", 0, number, rec, str(tdir))  # idempotent
     second = contract.generation_end("user_error", "rank 1 raised ValueError", 1, [first], 3, step=2)
     contract.create_exclusive_json(contract.generation_end_path(ldir, 1), second)
     contract.atomic_write_json(ldir / "rank-1.error.json", {"rank": 1, "exit_code": 3, "type": "ValueError", "message": "again", "traceback": "tb1", "generation": 1, "time": 3.0})
     contract.atomic_write_json(ldir / "node-0.json", {"exit_code": 3, "generation": 1, "ended": 4.0})
-    (rec,) = ingest.read_launches(tdir)
-    ingest.ingest_restarts(ledger, "e", 0, ledger.attempt("e", 0, number), rec, str(tdir))
+    (rec,) = read_launches(tdir)
+    ingest.ingest_restarts(ledger, "e", 0, number, rec, str(tdir))
     kinds = [e["kind"] for e in ledger.events("e") if e["kind"].startswith("attempt.restart")]
     assert kinds == ["attempt.restarted", "attempt.restarts_stopped"]
     assert ledger.attempt("e", 0, number)["restarts"] == 1

@@ -4,7 +4,7 @@ import pytest
 from orchestrator.supervise import states
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.migrations import MIGRATIONS, current_version, migrate
-from orchestrator.supervise.states import TaskState
+from orchestrator.supervise.states import AttemptState, TaskState
 
 import sqlite_utils
 
@@ -47,7 +47,20 @@ def test_transition_table():
         for other in T:
             assert states.allowed(terminal, other) == (other == terminal)
     with pytest.raises(states.TransitionError):
-        states.check(T.COMPLETED, T.RUNNING)
+        states.check_task(T.COMPLETED, T.RUNNING)
+    # attempts: never back to life (a requeue is a new attempt); an ending may be refined
+    A = AttemptState
+    states.check_attempt(A.PENDING, A.RUNNING)
+    states.check_attempt(A.RUNNING, A.NODE_FAIL)
+    states.check_attempt(A.CANCELLED, A.PREEMPTED)  # SLURM's verdict replaces the agents' SIGTERM
+    for ended in (s for s in A if s.ended):
+        for live in (A.PENDING, A.RUNNING):
+            with pytest.raises(states.TransitionError):
+                states.check_attempt(ended, live)
+    for other in A:
+        if other != A.COMPLETED:
+            with pytest.raises(states.TransitionError):
+                states.check_attempt(A.COMPLETED, other)
 
 
 def test_experiment_roll_up():
@@ -61,7 +74,7 @@ def test_experiment_roll_up():
 
 
 def test_state_changes_are_events_and_forbidden_ones_are_refused():
-    ledger = Ledger.memory(clock=iter(range(1000)).__next__)
+    ledger = Ledger.memory(clock=iter(range(1000)).__next__, strict=False)  # production
     new_experiment(ledger)
     assert ledger.set_task_state("e1", 0, TaskState.RUNNING, "started")
     assert ledger.set_task_state("e1", 0, TaskState.COMPLETED, "exit 0")
@@ -73,7 +86,26 @@ def test_state_changes_are_events_and_forbidden_ones_are_refused():
         ("task.state", 0, "RUNNING"),
         ("experiment.state", None, "RUNNING"),
         ("task.state", 0, "COMPLETED"),
+        ("ledger.illegal_transition", 0, None),
     ]
+    assert "COMPLETED -> RUNNING is not allowed" in ledger.events("e1")[-1]["cause"]
+    assert "a stale observation" in ledger.events("e1")[-1]["cause"]
+    # attempts are guarded the same way
+    n = ledger.add_attempt("e1", 0, "7_0", "submitted")
+    ledger.update_attempt("e1", 0, n, "exit 0", state=AttemptState.COMPLETED.value)
+    ledger.update_attempt("e1", 0, n, "stale", state=AttemptState.RUNNING.value)
+    assert ledger.attempt("e1", 0, n)["state"] == "COMPLETED"
+    assert ledger.events("e1")[-1]["kind"] == "ledger.illegal_transition"
+    # in tests (strict) the same moves are errors
+    strict = Ledger.memory(strict=True)
+    new_experiment(strict)
+    strict.set_task_state("e1", 0, TaskState.CANCELLED, "cancelled")
+    with pytest.raises(states.TransitionError):
+        strict.set_task_state("e1", 0, TaskState.RUNNING, "stale")
+    ledger = Ledger.memory(clock=iter(range(1000, 2000)).__next__, strict=False)
+    new_experiment(ledger)
+    ledger.set_task_state("e1", 0, TaskState.RUNNING, "started")
+    ledger.set_task_state("e1", 0, TaskState.COMPLETED, "exit 0")
     assert ledger.experiment("e1")["state"] == "RUNNING"  # task 1 is still pending
     ledger.set_task_state("e1", 1, TaskState.FAILED, "user error", reason="boom")
     assert ledger.experiment("e1")["state"] == "FAILED"

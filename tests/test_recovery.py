@@ -1,13 +1,18 @@
 """The watcher's pure policies: hang detection, in-place restart decisions, recovery of
 failed attempts, backoff and the lease."""
 
+import dataclasses
+
 from orchestrator import contract
-
-from orchestrator.supervise import recovery
+from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.ledger import Ledger
-from orchestrator.supervise.recovery import find_hang, plan_recovery
+from orchestrator.scheduler.local import LocalScheduler
+from orchestrator.scheduler.slurm import SlurmScheduler
+from orchestrator.supervise import recovery
+from orchestrator.supervise.recovery import RecoveryKind, find_hang, plan_recovery
 
-HB = {"interval_s": 1.0, "timeout_s": None, "startup_timeout_s": 300.0, "save_timeout_s": 600.0}
+HB = Heartbeat(interval_s=1.0, timeout_s=None, startup_timeout_s=300.0, save_timeout_s=600.0)
+SLURM, LOCAL = SlurmScheduler.capabilities, LocalScheduler.capabilities
 
 
 def beat(rank, t, phase="train", gen=0, step=10, launch="7.0"):
@@ -24,12 +29,12 @@ def test_a_rank_silent_past_its_timeout_is_hung_and_the_timeout_is_learned_from_
     assert recovery.train_timeout(HB, 0.01) == recovery.LEARNED_TIMEOUT_MIN_S
     assert find_hang([beat(0, now - 50)], "7.0", HB, 0.01, now) is None
     # configured
-    assert find_hang([beat(0, now - 6)], "7.0", {**HB, "timeout_s": 4}, 0.01, now).timeout_s == 5
+    assert find_hang([beat(0, now - 6)], "7.0", dataclasses.replace(HB, timeout_s=4), 0.01, now).timeout_s == 5
 
 
 def test_silence_is_allowed_longer_while_saving_and_starting_and_not_after_the_end():
     now = 1000.0
-    cfg = {**HB, "timeout_s": 4}
+    cfg = dataclasses.replace(HB, timeout_s=4)
     assert find_hang([beat(0, now - 100, "saving")], "7.0", cfg, 0.1, now) is None
     assert find_hang([beat(0, now - 700, "saving")], "7.0", cfg, 0.1, now).phase == "saving"
     assert find_hang([beat(0, now - 200, "init")], "7.0", cfg, 0.1, now) is None
@@ -65,7 +70,7 @@ def test_the_first_writer_of_a_generation_end_wins(tmp_path):
     assert contract.generation_ends(tmp_path) == [{"by": "n1"}, {"by": "n2"}]
 
 
-RETRY = {"max_recoveries": 2, "backoff_s": 10, "backoff_max_s": 60, "exclude_failed_nodes": True}
+RETRY = Retry(max_recoveries=2, backoff_s=10, backoff_max_s=60, exclude_failed_nodes=True)
 
 
 def failed(failure, state="FAILED", nodes="n1,n2", reason="x"):
@@ -74,25 +79,25 @@ def failed(failure, state="FAILED", nodes="n1,n2", reason="x"):
 
 def test_infrastructure_failures_are_recovered_with_backoff_and_failed_nodes_excluded():
     states = {"n1": "allocated", "n2": "down*", "n3": "idle", "n4": "drained"}
-    r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 0, "slurm", False, states)
-    assert r.kind == "requeue" and r.exclude == ("n2",) and 7.5 <= r.delay_s <= 12.5
+    r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 0, SLURM, False, states)
+    assert r.kind == RecoveryKind.REQUEUE and r.exclude == ("n2",) and 7.5 <= r.delay_s <= 12.5
     assert "recovery 1 of 2" in r.cause and "excluding n2" in r.cause
     # SLURM requeued it by itself: only hold it back and keep it off the node
-    r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 1, "slurm", True, states, excluded_before=["n4"])
+    r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 1, SLURM, True, states, excluded_before=["n4"])
     assert r.kind == "release" and r.exclude == ("n2", "n4") and r.delay_s > 15
     # the local executor has no queue to requeue into
-    assert plan_recovery(failed("infrastructure"), RETRY, 0, "local", False, {}).kind == "resubmit"
+    assert plan_recovery(failed("infrastructure"), RETRY, 0, LOCAL, False, {}).kind == "resubmit"
     # nodes the agents found unresponsive are excluded too; none when the policy says so
-    assert plan_recovery(failed("hang"), RETRY, 0, "slurm", False, {}, unresponsive=["n1"]).exclude == ("n1",)
-    assert plan_recovery(failed("node_failure"), {**RETRY, "exclude_failed_nodes": False}, 0, "slurm", False, states).exclude == ()
+    assert plan_recovery(failed("hang"), RETRY, 0, SLURM, False, {}, unresponsive=["n1"]).exclude == ("n1",)
+    assert plan_recovery(failed("node_failure"), dataclasses.replace(RETRY, exclude_failed_nodes=False), 0, SLURM, False, states).exclude == ()
 
 
 def test_user_errors_cancellations_and_saved_requeues_are_not_recovered_and_the_limit_holds():
     for f in ("user_error", "oom", "cancelled"):
-        assert plan_recovery(failed(f), RETRY, 0, "slurm", False, {}).kind == "none"
-    assert plan_recovery(failed("preemption", "REQUEUED"), RETRY, 0, "slurm", False, {}).kind == "none"
-    assert plan_recovery({"state": "RUNNING", "failure": None}, RETRY, 0, "slurm", False, {}).kind == "none"
-    r = plan_recovery(failed("lost", "LOST"), RETRY, 2, "slurm", False, {})
+        assert plan_recovery(failed(f), RETRY, 0, SLURM, False, {}).kind == "none"
+    assert plan_recovery(failed("preemption", "REQUEUED"), RETRY, 0, SLURM, False, {}).kind == "none"
+    assert plan_recovery({"state": "RUNNING", "failure": None}, RETRY, 0, SLURM, False, {}).kind == "none"
+    r = plan_recovery(failed("lost", "LOST"), RETRY, 2, SLURM, False, {})
     assert r.kind == "fail" and "gave up after 2 recoveries" in r.cause
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
-from orchestrator.scheduler import commands
+from orchestrator.scheduler import commands, get_scheduler
 from orchestrator.supervise import refresh
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler.slurm import render_batch_script
@@ -91,7 +91,7 @@ def wait_task(home, exp_id, idx, states, timeout=120):
     raise AssertionError(f"task {idx} of {exp_id} not in {states}: {task}")
 
 
-def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, home, tmp_path, monkeypatch):
+def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, home, tmp_path):
     spec = write(tmp_path / "long.yaml", "name: long\nsteps: 100000\nresources: {tasks_per_node: 2}\nsweep: {grid: {seed: [0, 1, 2]}, max_parallel: 1}\n")
     other = write(tmp_path / "other.yaml", "name: other\nsteps: 100000\nresources: {tasks_per_node: 2}\n")
     ids = []
@@ -102,10 +102,18 @@ def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, 
 
     # one sacct and one squeue per refresh, for all live jobs of both experiments
     calls = []
-    real = commands.query
-    monkeypatch.setattr(commands, "query", lambda argv, **kw: calls.append(argv[0]) or real(argv, **kw))
+
+    class Counting(commands.Runner):  # every command the scheduler runs, queries or not
+        def run(self, argv, **kw):
+            calls.append(argv[0])
+            return super().run(argv, **kw)
+
+        def query(self, argv, **kw):
+            calls.append(argv[0])
+            return super().query(argv, **kw)
+
     ledger = Ledger.open(home / "ledger.db")
-    refresh.refresh(ledger, ledger.find_experiments())
+    refresh.refresh(ledger, ledger.find_experiments(), {"slurm": get_scheduler("slurm", Counting())})
     assert sorted(calls) == ["sacct", "squeue"]
 
     out = cli("cancel", exp_id, "--task", "2", home=home)

@@ -24,7 +24,7 @@ from .checkpoint import (
     remove_leftovers,
     verify_checkpoint,
 )
-from .codes import EXIT_OF_KIND, UNCAUGHT_EXCEPTION, ExitCode, FailureKind, RequeueCause, failure_kind
+from .codes import EXIT_OF_KIND, UNCAUGHT_EXCEPTION, ExitCode, FailureKind, RequeueCause, TextEnum, failure_kind
 from .files import (
     append_jsonl,
     atomic_write_json,

@@ -17,10 +17,20 @@ class ExitCode(enum.IntEnum):
     REQUEUE = 75  # saved after a preemption or time-limit signal; run me again (EX_TEMPFAIL)
 
 
+class TextEnum(str, enum.Enum):
+    """A str enum that reads as its value in f-strings, JSON and SQLite alike."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 UNCAUGHT_EXCEPTION = 1  # how Python exits on an uncaught exception: in a user's own script, its bug
 
 
-class FailureKind(str, enum.Enum):
+class FailureKind(TextEnum):
     """Why an attempt (or one generation of its ranks) ended without completing."""
 
     PREEMPTION = "preemption"
@@ -80,7 +90,7 @@ def failure_kind(exit_code: int | None) -> FailureKind:
     return _KIND_OF_EXIT.get(exit_code, FailureKind.INFRASTRUCTURE)
 
 
-class RequeueCause(str, enum.Enum):
+class RequeueCause(TextEnum):
     """Why the ranks saved and asked to be requeued (a field of ``requeue.json``)."""
 
     PREEMPTION = "preemption"

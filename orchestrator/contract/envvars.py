@@ -15,5 +15,6 @@ JOB_ID = "ORCHESTRATE_JOB_ID"
 RESTART_COUNT = "ORCHESTRATE_RESTART_COUNT"
 
 # tests and benchmarks only
+STRICT_TRANSITIONS = "ORCHESTRATE_STRICT_TRANSITIONS"  # 1: an illegal ledger state change raises
 FAULT_INJECT = "ORCHESTRATE_FAULT_INJECT"  # the watcher dies at a named point, as a killed one would
 FAULT_SLOW_SAVE_S = "ORCHESTRATE_FAULT_SLOW_SAVE_S"  # every checkpoint write sleeps this long first

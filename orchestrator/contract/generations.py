@@ -7,12 +7,11 @@ every node agent then acts on that one record, so all nodes restart or stop toge
 
 from __future__ import annotations
 
-import enum
 import signal
 import time
 from typing import Any
 
-from .codes import EXIT_OF_KIND, ExitCode, FailureKind
+from .codes import EXIT_OF_KIND, ExitCode, FailureKind, TextEnum
 from .files import read_json
 from .layout import PathLike, generation_end_path
 
@@ -26,7 +25,7 @@ def dump_signal() -> int:
     return signal.SIGRTMIN + DUMP_SIGNAL_OFFSET
 
 
-class GenerationAction(str, enum.Enum):
+class GenerationAction(TextEnum):
     RESTART = "restart"  # restart the ranks in place from the last committed checkpoint
     STOP = "stop"  # end the launch and let the login side decide
 

@@ -1,31 +1,32 @@
-"""Where tasks run: one interface, a SLURM implementation and a local one."""
+"""Where tasks run: one interface (``base``), SLURM through submitit (``slurm``, with
+its output parsed at one boundary in ``slurm_parse``), and the local executor
+(``local``). ``commands`` is the one place that runs external programs."""
 
-from orchestrator.scheduler.base import JobRef, Observation, Scheduler
+from __future__ import annotations
 
-__all__ = ["JobRef", "Observation", "Scheduler", "get_scheduler", "default_executor"]
+import shutil
+
+from orchestrator.errors import UserError
+from orchestrator.scheduler.base import Capabilities, JobRef, Observation, Scheduler
+
+__all__ = ["Capabilities", "JobRef", "Observation", "Scheduler", "get_scheduler", "default_executor", "EXECUTORS"]
+
+EXECUTORS = ("slurm", "local")
 
 
 def default_executor() -> str:
-    """SLURM when its client is on PATH and its executor is available, else local."""
-    import importlib.util
-    import shutil
-
-    has_slurm_executor = importlib.util.find_spec(__name__ + ".slurm") is not None
-    return "slurm" if has_slurm_executor and shutil.which("sbatch") else "local"
+    """SLURM when its client is on PATH, else the local executor."""
+    return "slurm" if shutil.which("sbatch") else "local"
 
 
-def get_scheduler(name: str) -> Scheduler:
+def get_scheduler(name: str, runner=None) -> Scheduler:
+    """The scheduler called ``name``; ``runner`` replaces the SLURM command runner (tests)."""
     if name == "local":
         from orchestrator.scheduler.local import LocalScheduler
 
         return LocalScheduler()
     if name == "slurm":
-        try:
-            from orchestrator.scheduler.slurm import SlurmScheduler
-        except ImportError:
-            from orchestrator.errors import UserError
+        from orchestrator.scheduler.slurm import SlurmScheduler
 
-            raise UserError("the SLURM executor is not available in this release yet; use --executor local") from None
-
-        return SlurmScheduler()
-    raise ValueError(f"unknown executor '{name}'")
+        return SlurmScheduler(runner)
+    raise UserError(f"unknown executor '{name}'; use one of: {', '.join(EXECUTORS)}")

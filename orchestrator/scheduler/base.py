@@ -1,3 +1,10 @@
+"""The scheduler interface: everything the rest of the tool asks of where tasks run.
+
+Two implementations: ``slurm`` (through submitit and SLURM's clients) and ``local``
+(one machine, no SLURM). Generic code never tests a scheduler's name: it asks its
+``capabilities``.
+"""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +39,27 @@ class Observation:
     ended_runs: tuple[tuple[AttemptState, str, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a scheduler can do, so that policies never test its name."""
+
+    # an ended job can go back to the queue under its own id (else: a new submission)
+    requeue_in_place: bool
+    # the scheduler requeues jobs by itself (node failure, preemption): a job that ran
+    # can be pending again, and that is not a new submission of ours
+    requeues_by_itself: bool
+    # when the ranks were stopped by a SIGTERM, the scheduler's record of the job says
+    # why (cancelled, node failure, preemption, time limit): wait for it before deciding
+    tells_why_stopped: bool
+
+
 class Scheduler(Protocol):
     name: str
+    capabilities: Capabilities
+
+    def check(self, plan: Plan) -> str:
+        """Would the scheduler take this plan? Returns its estimate; raises SchedulerError
+        (with the spec field to change) when it would refuse."""
 
     def submit(self, plan: Plan) -> dict[int, str]:
         """Submit every task of the plan; returns task index -> job id."""
@@ -43,3 +69,19 @@ class Scheduler(Protocol):
 
     def cancel(self, refs: list[JobRef]) -> None:
         """Ask the scheduler to stop these jobs."""
+
+    def requeue(self, job_id: str) -> bool:
+        """Put an ended job back in the queue under its id; False when that is not
+        possible (then only ``resubmit`` will do)."""
+
+    def release(self, job_id: str, exclude: list[str], delay_s: float) -> None:
+        """A requeued job: keep it off ``exclude`` and let it start after ``delay_s``."""
+
+    def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
+        """Submit one task again as a new job (named with ``tag``); returns its id."""
+
+    def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
+        """The job a ``resubmit`` with ``tag`` made, for a watcher that died before recording it."""
+
+    def node_states(self) -> dict[str, str]:
+        """Every node's state in the scheduler's words (empty: it has no nodes to tell of)."""

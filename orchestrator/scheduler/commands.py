@@ -91,3 +91,14 @@ def _text(data) -> str:
     if data is None:
         return ""
     return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+class Runner:
+    """The command runner the SLURM scheduler is given (tests inject their own, e.g. one
+    that counts or records the calls, instead of patching this module)."""
+
+    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True, **kw) -> subprocess.CompletedProcess:
+        return run(argv, timeout=timeout, check=check, **kw)
+
+    def query(self, argv: Sequence[str], *, timeout: float = 30, attempts: int = 3, **kw) -> subprocess.CompletedProcess:
+        return query(argv, timeout=timeout, attempts=attempts, **kw)

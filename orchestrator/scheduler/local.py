@@ -25,7 +25,7 @@ from orchestrator import contract
 from orchestrator.submit.plan import Plan
 from orchestrator.supervise.reconcile import attempt_state_for_exit
 from orchestrator.supervise.states import AttemptState
-from orchestrator.scheduler.base import JobRef, Observation
+from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
 
@@ -79,7 +79,15 @@ def _detached():
 
 
 class LocalScheduler:
+    """The driver's records are the whole truth: an ended task is submitted again, and
+    a task stopped by SIGTERM was cancelled (nothing else here sends one)."""
+
     name = "local"
+    capabilities = Capabilities(requeue_in_place=False, requeues_by_itself=False, tells_why_stopped=False)
+
+    def check(self, plan: Plan) -> str:
+        return f"{len(plan.tasks)} task(s) would start at once on this machine" if not plan.max_parallel else (
+            f"{len(plan.tasks)} task(s), at most {plan.max_parallel} at once, on this machine")
 
     def submit(self, plan: Plan) -> dict[int, str]:
         import submitit
@@ -200,7 +208,7 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: 
             i = pending.pop(0)
             running[i] = subprocess.Popen(
                 [sys.executable, "-m", "train_entry.agent", str(contract.task_dir(run, i))],
-                env={**env, "ORCHESTRATE_JOB_ID": f"{base_id}_{i}", "ORCHESTRATE_RESTART_COUNT": str(restarts[i])},
+                env={**env, contract.envvars.JOB_ID: f"{base_id}_{i}", contract.envvars.RESTART_COUNT: str(restarts[i])},
                 stdin=subprocess.DEVNULL,
             )
             contract.atomic_write_json(
@@ -212,6 +220,9 @@ def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: 
 
 
 def _may_requeue(run: Path, index: int, restarts: int) -> bool:
-    cfg = contract.read_json(contract.task_config_path(contract.task_dir(run, index))) or {}
-    cancelled = contract.cancel_flag_path(contract.task_dir(run, index)).exists()
-    return not cancelled and restarts < cfg.get("retry", {}).get("max_requeues", 100)
+    tdir = contract.task_dir(run, index)
+    try:
+        limit = contract.TaskConfig.load(tdir).retry.max_requeues
+    except contract.TaskConfigError:
+        return False  # nothing to run again with
+    return not contract.cancel_flag_path(tdir).exists() and restarts < limit

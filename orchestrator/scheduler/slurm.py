@@ -36,7 +36,7 @@ from orchestrator.errors import SchedulerError, UserError
 from orchestrator.submit.plan import Plan
 from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
 from orchestrator.spec.units import parse_memory_mb
-from orchestrator.scheduler.base import JobRef, Observation
+from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 QUERY_TIMEOUT_S = 30
 CHECK_TIMEOUT_S = 60
@@ -165,6 +165,10 @@ def explain_refusal(stderr: str, plan: Plan) -> str:
 
 class SlurmScheduler:
     name = "slurm"
+    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True)
+
+    def __init__(self, runner: commands.Runner | None = None):
+        self.runner = runner or commands.Runner()
 
     def check(self, plan: Plan) -> str:
         """``sbatch --test-only`` on the plan's script; returns SLURM's estimate
@@ -173,7 +177,7 @@ class SlurmScheduler:
             fh.write(render_batch_script(plan))
             fh.flush()
             try:
-                out = commands.run(["sbatch", "--test-only", fh.name], timeout=CHECK_TIMEOUT_S)
+                out = self.runner.run(["sbatch", "--test-only", fh.name], timeout=CHECK_TIMEOUT_S)
             except commands.CommandError as exc:
                 if exc.returncode is None:
                     raise SchedulerError(f"cannot reach SLURM: {exc}") from None
@@ -206,16 +210,16 @@ class SlurmScheduler:
             return {}
         keys = [r.job_id for r in refs]
         jobs = sorted({parse_job_id(k).job for k in keys}, key=int)
-        sacct = commands.query(
+        sacct = self.runner.query(
             ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), *since_args(refs), "-j", ",".join(jobs)],
             timeout=QUERY_TIMEOUT_S,
         )
-        squeue = commands.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
+        squeue = self.runner.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
         return observe(parse_sacct(sacct.stdout), parse_squeue(squeue.stdout), keys, user_of=_user_name)
 
     def cancel(self, refs: list[JobRef]) -> None:
         if refs:
-            commands.query(["scancel", *sorted({r.job_id for r in refs})], timeout=QUERY_TIMEOUT_S)
+            self.runner.query(["scancel", *sorted({r.job_id for r in refs})], timeout=QUERY_TIMEOUT_S)
 
     # ------------------------------------------------------------ recovery
 
@@ -223,7 +227,7 @@ class SlurmScheduler:
         """Put an ended (or running) job back in the queue under its id; False when SLURM
         no longer holds its record (then only a new submission will do)."""
         try:
-            commands.run(["scontrol", "requeue", job_id], timeout=QUERY_TIMEOUT_S)
+            self.runner.run(["scontrol", "requeue", job_id], timeout=QUERY_TIMEOUT_S)
         except commands.CommandError as exc:
             said = exc.stderr + exc.stdout
             if "Invalid job id" in said:
@@ -238,7 +242,7 @@ class SlurmScheduler:
         argv = ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{max(0, int(delay_s))}"]
         if exclude:
             argv.append(f"ExcNodeList={','.join(sorted(exclude))}")
-        commands.run(argv, timeout=QUERY_TIMEOUT_S)
+        self.runner.run(argv, timeout=QUERY_TIMEOUT_S)
 
     def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
         """One task as a new job, with the experiment's own request; returns its id."""
@@ -264,17 +268,17 @@ class SlurmScheduler:
         died between submitting and recording)."""
         params = contract.read_json(params_path(run_dir)) or {}
         name = f"{params.get('job_name', '')}-{tag}"
-        out = commands.query(["squeue", "-h", "--me", "-n", name, "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split()
+        out = self.runner.query(["squeue", "-h", "--me", "-n", name, "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split()
         if not out:
             start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
-            out = commands.query(
+            out = self.runner.query(
                 ["sacct", "-X", "-n", "-P", "-S", start, "--name", name, "-o", "JobID"], timeout=QUERY_TIMEOUT_S
             ).stdout.split()
         return out[0] if out else None
 
     def node_states(self) -> dict[str, str]:
         """Every node's state (``sinfo``): failed nodes are excluded from recovered tasks."""
-        out = commands.query(["sinfo", "-h", "-N", "-o", "%N|%T"], timeout=QUERY_TIMEOUT_S).stdout
+        out = self.runner.query(["sinfo", "-h", "-N", "-o", "%N|%T"], timeout=QUERY_TIMEOUT_S).stdout
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
 

@@ -20,7 +20,7 @@ class PlannedTask:
     index: int
     params: dict[str, Any]
     task_dir: Path
-    config: dict  # written to task.json; what the trainer runs
+    config: contract.TaskConfig  # written to task.json; what the trainer runs
     spec: Spec | None = None  # the validated spec of this task (the sweep point applied)
 
 
@@ -75,7 +75,7 @@ def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executo
             config["checkpoint"]["consolidate"]["max_shard_bytes"] = parse_bytes(t.spec.checkpoint.consolidate.max_shard_size)
         if t.spec.engine.kind == "deepspeed":
             config["deepspeed_config"] = deepspeed_config.render(t.spec)
-        planned.append(PlannedTask(t.index, t.params, tdir, config, t.spec))
+        planned.append(PlannedTask(t.index, t.params, tdir, contract.TaskConfig.from_dict(config), t.spec))
     return Plan(
         experiment_id=experiment_id,
         name=spec.name,

@@ -42,11 +42,12 @@ def write_run_folder(plan: Plan) -> None:
         plan.run_dir.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
         raise UserError(f"cannot create the run folder '{plan.run_dir}': {exc}; check `workdir`") from None
-    contract.atomic_write_text(plan.run_dir / "spec.resolved.yaml", dump_resolved(plan.spec))
+    contract.atomic_write_text(plan.run_dir / contract.SPEC_RESOLVED, dump_resolved(plan.spec))
     for t in plan.tasks:
-        contract.atomic_write_json(contract.task_config_path(t.task_dir), t.config)
-        if "deepspeed_config" in t.config:  # for the user to read; the trainer reads task.json
-            contract.atomic_write_json(Path(t.task_dir) / "deepspeed.json", t.config["deepspeed_config"])
+        config = t.config.to_dict()
+        contract.atomic_write_json(contract.task_config_path(t.task_dir), config)
+        if config["deepspeed_config"] is not None:  # for the user to read; the trainer reads task.json
+            contract.atomic_write_json(contract.deepspeed_config_path(t.task_dir), config["deepspeed_config"])
 
 
 def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import tenacity
 
-from orchestrator.supervise.reconcile import RECOVERABLE
+from orchestrator.contract import FailureKind, TextEnum
+from orchestrator.contract.taskconfig import Heartbeat, Retry
+from orchestrator.scheduler.base import Capabilities
 from orchestrator.supervise.states import AttemptState
 
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
@@ -39,14 +41,14 @@ class Hang:
         )
 
 
-def train_timeout(hb_cfg: dict, step_time_max: float | None) -> float:
+def train_timeout(hb: Heartbeat, step_time_max: float | None) -> float:
     """The configured timeout, else one learned from the slowest step seen."""
-    if hb_cfg.get("timeout_s"):
-        return float(hb_cfg["timeout_s"])
+    if hb.timeout_s:
+        return float(hb.timeout_s)
     return max(LEARNED_TIMEOUT_MIN_S, LEARNED_TIMEOUT_FACTOR * (step_time_max or 0.0))
 
 
-def find_hang(heartbeats: list[dict], launch: str, hb_cfg: dict, step_time_max: float | None, now: float) -> Hang | None:
+def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max: float | None, now: float) -> Hang | None:
     """The rank of the launch's newest generation that has been silent longest past its
     timeout. Silence is allowed to last longer before the first step and while a
     checkpoint is written; ranks that finished, failed or are leaving are not hung."""
@@ -54,17 +56,13 @@ def find_hang(heartbeats: list[dict], launch: str, hb_cfg: dict, step_time_max: 
     if not rows:
         return None
     generation = max(h.get("generation") or 0 for h in rows)
-    limits = {
-        "init": float(hb_cfg.get("startup_timeout_s", 900.0)),
-        "train": train_timeout(hb_cfg, step_time_max),
-        "saving": float(hb_cfg.get("save_timeout_s", 1800.0)),
-    }
+    limits = {"init": hb.startup_timeout_s, "train": train_timeout(hb, step_time_max), "saving": hb.save_timeout_s}
     worst: Hang | None = None
     for h in rows:
         if (h.get("generation") or 0) != generation or h.get("phase") not in limits:
             continue
         # heartbeats come at most every interval_s: silence counts from when the next was due
-        limit = limits[h["phase"]] + float(hb_cfg.get("interval_s", 10.0))
+        limit = limits[h["phase"]] + hb.interval_s
         age = now - h["time"]
         if age > limit and (worst is None or age > worst.age_s):
             worst = Hang(h["rank"], h.get("node"), h.get("step"), h["phase"], age, limit, generation)
@@ -74,9 +72,17 @@ def find_hang(heartbeats: list[dict], launch: str, hb_cfg: dict, step_time_max: 
 # ---------------------------------------------------------------- failed attempts
 
 
+class RecoveryKind(TextEnum):
+    NONE = "none"  # nothing to do (not a failure we recover, or already requeued)
+    FAIL = "fail"  # the limit is reached: the task fails
+    REQUEUE = "requeue"  # the scheduler still holds the job: back into the queue under its id
+    RELEASE = "release"  # the scheduler requeued it by itself: only hold it back, keep it off failed nodes
+    RESUBMIT = "resubmit"  # a new job
+
+
 @dataclass(frozen=True)
 class Recovery:
-    kind: str  # none, fail, requeue (SLURM still holds the job), release (SLURM requeued it), resubmit
+    kind: RecoveryKind
     cause: str = ""
     exclude: tuple[str, ...] = ()
     delay_s: float = 0.0
@@ -99,9 +105,9 @@ def unhealthy_nodes(node_states: dict[str, str]) -> set[str]:
 
 def plan_recovery(
     attempt: dict,
-    retry: dict,
+    retry: Retry,
     recoveries: int,
-    executor: str,
+    caps: Capabilities,
     pending_again: bool,
     node_states: dict[str, str],
     unresponsive: list[str] = (),
@@ -113,24 +119,26 @@ def plan_recovery(
     SLURM requeued the job by itself (node failure, preemption). ``node_states``: SLURM's
     word on every node, to keep the task off the ones that failed under it."""
     state = AttemptState(attempt["state"])
-    failure = attempt.get("failure")
-    if not state.ended or failure not in RECOVERABLE:
-        return Recovery("none")
-    if state == AttemptState.REQUEUED:
-        return Recovery("none")  # saved on the signal and already requeued: the next launch comes by itself
-    limit = int(retry.get("max_recoveries", 3))
-    what = f"{failure.replace('_', ' ')} ({attempt.get('reason') or state.value.lower()})"
+    try:
+        failure = FailureKind(attempt.get("failure"))
+    except ValueError:
+        return Recovery(RecoveryKind.NONE)  # it completed, or ended in a way we do not recover
+    if not state.ended or not failure.recoverable or state == AttemptState.REQUEUED:
+        return Recovery(RecoveryKind.NONE)  # a REQUEUED attempt saved on the signal: the next launch comes by itself
+    limit = retry.max_recoveries
+    what = f"{failure.words} ({attempt.get('reason') or state.value.lower()})"
     if recoveries >= limit:
-        return Recovery("fail", f"{what}; gave up after {recoveries} recoveries (retry.max_recoveries: {limit})")
+        return Recovery(RecoveryKind.FAIL, f"{what}; gave up after {recoveries} recoveries (retry.max_recoveries: {limit})")
     exclude: set[str] = set(excluded_before)
-    if retry.get("exclude_failed_nodes", True):
+    if retry.exclude_failed_nodes:
         ran_on = {n for n in str(attempt.get("nodes") or "").split(",") if n}
         exclude |= (ran_on & unhealthy_nodes(node_states)) | set(unresponsive)
-    delay = backoff_s(recoveries + 1, float(retry.get("backoff_s", 30.0)), float(retry.get("backoff_max_s", 600.0)))
+    delay = backoff_s(recoveries + 1, retry.backoff_s, retry.backoff_max_s)
     where = f", excluding {','.join(sorted(exclude))}" if exclude else ""
     n = f"recovery {recoveries + 1} of {limit}"
+    nodes = tuple(sorted(exclude))
     if pending_again:
-        return Recovery("release", f"{what}; SLURM requeued the job: {n}, starting in {delay:.0f} s{where}", tuple(sorted(exclude)), delay)
-    kind = "requeue" if executor == "slurm" else "resubmit"
-    verb = "requeued" if kind == "requeue" else "submitted again"
-    return Recovery(kind, f"{what}: {n}, {verb} from the last checkpoint, starting in {delay:.0f} s{where}", tuple(sorted(exclude)), delay)
+        return Recovery(RecoveryKind.RELEASE, f"{what}; SLURM requeued the job: {n}, starting in {delay:.0f} s{where}", nodes, delay)
+    kind = RecoveryKind.REQUEUE if caps.requeue_in_place else RecoveryKind.RESUBMIT
+    verb = "requeued" if kind == RecoveryKind.REQUEUE else "submitted again"
+    return Recovery(kind, f"{what}: {n}, {verb} from the last checkpoint, starting in {delay:.0f} s{where}", nodes, delay)

@@ -1,14 +1,17 @@
 """Our own states, the transitions allowed between them, and how experiments roll up.
 
 Scheduler vocabularies (SLURM's, the local executor's) are translated into these
-at one boundary each (``slurm_parse.py``, ``scheduler/local.py``); nothing else
-looks at raw scheduler strings.
+at one boundary each (``scheduler/slurm_parse.py``, ``scheduler/local.py``); nothing
+else looks at raw scheduler strings. The ledger checks every task and attempt update
+against the tables here (``check_task``, ``check_attempt``).
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Iterable
+
+from orchestrator.contract import TextEnum
 
 
 class TaskState(str, enum.Enum):
@@ -50,7 +53,7 @@ def allowed(old: TaskState, new: TaskState) -> bool:
     return new == old or new in _ALLOWED[old]
 
 
-def check(old: TaskState, new: TaskState) -> None:
+def check_task(old: TaskState, new: TaskState) -> None:
     if not allowed(old, new):
         raise TransitionError(f"task state {old.value} -> {new.value} is not allowed")
 
@@ -76,6 +79,26 @@ class AttemptState(str, enum.Enum):
         return self not in (AttemptState.PENDING, AttemptState.RUNNING, AttemptState.UNKNOWN)
 
 
+_LIVE_ATTEMPT = frozenset({AttemptState.PENDING, AttemptState.RUNNING, AttemptState.UNKNOWN})
+_ENDED_ATTEMPT = frozenset(AttemptState) - _LIVE_ATTEMPT
+_ATTEMPT_ALLOWED: dict[AttemptState, frozenset[AttemptState]] = {
+    AttemptState.PENDING: frozenset(AttemptState) - {AttemptState.PENDING},
+    AttemptState.RUNNING: _ENDED_ATTEMPT | {AttemptState.UNKNOWN},
+    AttemptState.UNKNOWN: frozenset(AttemptState) - {AttemptState.UNKNOWN},
+    # An attempt never comes back to life (a requeue is a new attempt). An ending may
+    # still be refined by a later, better record: the agents record any SIGTERM as a
+    # cancellation until SLURM says it was a node failure, a preemption or a time
+    # limit; a launch decided from SLURM's word first may tell its own end later.
+    AttemptState.COMPLETED: frozenset(),
+    **{s: _ENDED_ATTEMPT - {s, AttemptState.COMPLETED} for s in _ENDED_ATTEMPT - {AttemptState.COMPLETED}},
+}
+
+
+def check_attempt(old: AttemptState, new: AttemptState) -> None:
+    if new != old and new not in _ATTEMPT_ALLOWED[old]:
+        raise TransitionError(f"attempt state {old.value} -> {new.value} is not allowed")
+
+
 def experiment_state(task_states: Iterable[TaskState]) -> TaskState:
     """Roll tasks up: live if any task is live, else the worst ending."""
     states = list(task_states)
@@ -90,3 +113,15 @@ def experiment_state(task_states: Iterable[TaskState]) -> TaskState:
     if any(s == TaskState.CANCELLED for s in states):
         return TaskState.CANCELLED
     return TaskState.COMPLETED
+
+
+class ActionState(TextEnum):
+    """A recovery action is written down before it is taken, and marked done after."""
+
+    PLANNED = "PLANNED"
+    DONE = "DONE"
+
+
+class CheckpointState(TextEnum):
+    COMMITTED = "COMMITTED"  # the trainer committed it (manifest written last)
+    PRUNED = "PRUNED"  # removed by `orchestrate ckpt prune`

@@ -22,25 +22,22 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.supervise import ingest
-
 from orchestrator import contract
-
-from orchestrator.supervise import recovery
-
-from orchestrator.supervise import refresh
+from orchestrator.contract import FailureKind, TaskConfig, TaskConfigError, envvars
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import get_scheduler
-from orchestrator.supervise.states import AttemptState, TaskState
+from orchestrator.supervise import recovery, refresh
+from orchestrator.supervise.launches import read_launches
+from orchestrator.supervise.recovery import RecoveryKind
+from orchestrator.supervise.states import ActionState, AttemptState, TaskState
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "ORCHESTRATE_FAULT_INJECT"  # tests: die at a named point, as a killed watcher would
-
 
 def _fault_point(name: str) -> None:
-    if os.environ.get(FAULT_ENV) == name:
+    """Tests: die at a named point, as a killed watcher would."""
+    if os.environ.get(envvars.FAULT_INJECT) == name:
         os._exit(70)
 
 
@@ -89,7 +86,7 @@ class Watcher:
                 attempts = self.ledger.attempts(exp["id"], task["idx"])
                 if not attempts:
                     continue
-                cfg = contract.read_json(contract.task_config_path(task["task_dir"])) or {}
+                cfg = self._task_config(exp, task)
                 attempt = attempts[-1]
                 if not self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
                     break  # a slow cycle outlived the lease and another watcher took over: it acts now
@@ -125,26 +122,33 @@ class Watcher:
             log.warning("cannot read node states: %s", exc)
             return {}
 
+    def _task_config(self, exp: dict, task: dict) -> TaskConfig:
+        """The task's own settings; the spec's defaults when task.json cannot be read."""
+        try:
+            return TaskConfig.load(task["task_dir"])
+        except TaskConfigError as exc:
+            log.warning("%s task %s: %s; using the default retry and heartbeat settings", exp["id"], task["idx"], exc)
+            return TaskConfig(experiment_id=exp["id"], index=task["idx"], task_dir=task["task_dir"], steps=0)
+
     # ------------------------------------------------------------ hangs
 
-    def _check_hang(self, exp: dict, task: dict, attempt: dict, cfg: dict) -> None:
+    def _check_hang(self, exp: dict, task: dict, attempt: dict, cfg: TaskConfig) -> None:
         if attempt["state"] != AttemptState.RUNNING.value or not attempt["launch"]:
             return
-        hb_cfg = cfg.get("heartbeat", {})
         beats = self.ledger.heartbeats(exp["id"], task["idx"])
-        hang = recovery.find_hang(beats, attempt["launch"], hb_cfg, task.get("step_time_max"), self.clock())
+        hang = recovery.find_hang(beats, attempt["launch"], cfg.heartbeat, task.get("step_time_max"), self.clock())
         if hang is None:
             return
-        ldir = contract.launches_dir(task["task_dir"]) / attempt["launch"]
+        ldir = contract.launch_dir(task["task_dir"], attempt["launch"])
         if contract.generation_end_path(ldir, hang.generation).exists():
             return  # already being restarted (or stopped) by the agents
         history = contract.generation_ends(ldir)[: hang.generation]
         record = contract.generation_end(
-            "hang",
+            FailureKind.HANG,
             hang.cause,
             hang.generation,
             history,
-            cfg.get("retry", {}).get("max_restarts", 3),
+            cfg.retry.max_restarts,
             hang.step,
             dump=True,
             rank=hang.rank,
@@ -163,34 +167,36 @@ class Watcher:
         actions = self.ledger.actions(exp["id"], idx)
         if any(a["attempt"] == attempt["number"] for a in actions):
             return
-        recoveries = sum(1 for a in actions if a["kind"] != "fail")
+        recoveries = sum(1 for a in actions if a["kind"] != RecoveryKind.FAIL)
         obs = observations.get(attempt["job_id"])
-        pending_again = obs is not None and obs.state == AttemptState.PENDING and exp["executor"] == "slurm"
-        launch = next((l for l in ingest.read_launches(task["task_dir"]) if l.key == attempt["launch"]), None)
+        caps = self.scheduler(exp["executor"]).capabilities
+        pending_again = obs is not None and obs.state == AttemptState.PENDING and caps.requeues_by_itself
+        launch = next((l for l in read_launches(task["task_dir"]) if l.key == attempt["launch"]), None)
         excluded = sorted({n for a in attempts for n in str(a.get("exclude") or "").split(",") if n})
         plan = recovery.plan_recovery(
-            attempt, cfg.get("retry", {}), recoveries, exp["executor"], pending_again, node_states,
+            attempt, cfg.retry, recoveries, caps, pending_again, node_states,
             launch.unresponsive if launch else [], excluded,
         )
-        if plan.kind == "none":
+        if plan.kind == RecoveryKind.NONE:
             return
         detail = {"exclude": list(plan.exclude), "delay_s": round(plan.delay_s, 1), "job_id": attempt["job_id"], "tag": f"r{secrets.token_hex(3)}"}
-        if not self.ledger.plan_action(exp["id"], idx, attempt["number"], plan.kind, detail, plan.cause):
+        if not self.ledger.plan_action(exp["id"], idx, attempt["number"], plan.kind.value, detail, plan.cause):
             return
         self._carry_out(exp, task, attempt, plan.kind, detail, plan.cause)
 
-    def _carry_out(self, exp, task, attempt, kind, detail, cause) -> None:
+    def _carry_out(self, exp, task, attempt, kind: RecoveryKind, detail, cause) -> None:
         idx, sched = task["idx"], self.scheduler(exp["executor"])
-        if kind == "fail":
+        kind = RecoveryKind(kind)
+        if kind == RecoveryKind.FAIL:
             self.ledger.set_task_state(exp["id"], idx, TaskState.FAILED, cause, reason=cause)
             self.ledger.finish_action(exp["id"], idx, attempt["number"], {}, cause)
             return
-        if kind == "requeue" and not sched.requeue(attempt["job_id"]):
-            kind = "resubmit"  # SLURM no longer holds the job's record
+        if kind == RecoveryKind.REQUEUE and not sched.requeue(attempt["job_id"]):
+            kind = RecoveryKind.RESUBMIT  # SLURM no longer holds the job's record
             self.ledger.event(exp["id"], "recovery.resubmit", f"SLURM no longer knows job {attempt['job_id']}: submitting the task again", idx=idx, attempt=attempt["number"])
         _fault_point(f"after-{kind}")
         done: dict = {}
-        if kind in ("requeue", "release"):
+        if kind in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
             sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
         else:
             new_job = sched.resubmit(Path(exp["run_dir"]), idx, detail["exclude"], detail["delay_s"], detail["tag"])
@@ -201,16 +207,16 @@ class Watcher:
     def _done(self, exp, idx, attempt, detail, done, cause) -> None:
         """The action is taken: record it, and the nodes the next run is kept off."""
         with self.ledger.tx():
-            self.ledger.db["attempts"].update((exp["id"], idx, attempt["number"]), {"exclude": ",".join(detail["exclude"]) or None})
+            self.ledger.set_attempt_exclude(exp["id"], idx, attempt["number"], detail["exclude"])
             self.ledger.finish_action(exp["id"], idx, attempt["number"], done, cause)
 
     def _finish_planned(self, exp, task, attempts, observations) -> None:
         """Actions a watcher wrote down but did not finish (it was killed): finish them once."""
-        for action in self.ledger.actions(exp["id"], task["idx"], state="PLANNED"):
+        for action in self.ledger.actions(exp["id"], task["idx"], state=ActionState.PLANNED):
             attempt = next(a for a in attempts if a["number"] == action["attempt"])
             detail, sched = action["detail"], self.scheduler(exp["executor"])
             cause = f"finishing a recovery a watcher left halfway: {action['kind']} of job {detail.get('job_id')}"
-            if action["kind"] in ("requeue", "release"):
+            if action["kind"] in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
                 if observations is None:
                     continue
                 obs = observations.get(attempt["job_id"])
@@ -220,7 +226,7 @@ class Watcher:
                         sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
                     self._done(exp, task["idx"], attempt, detail, {}, cause + ": it had been requeued")
                     continue
-            elif action["kind"] == "resubmit":
+            elif action["kind"] == RecoveryKind.RESUBMIT:
                 job = sched.find_submission(Path(exp["run_dir"]), detail["tag"], action["created_at"])
                 if job is not None:
                     if not any(a["job_id"] == job for a in attempts):

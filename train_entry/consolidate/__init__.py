@@ -1,0 +1,122 @@
+"""Sharded checkpoint -> full weights, streaming: tensors are read in small batches and
+written one at a time.
+
+Readers (what a checkpoint holds, and the tensors of one batch): ``dcp`` (DDP, FSDP2)
+and ``zero`` (DeepSpeed ZeRO-0/1/2/3); ``writers`` plans the shards and writes them.
+
+The safetensors writer streams too (the header is known from the plan), so peak memory
+is about one read batch (``READ_BATCH_BYTES``, less with a smaller ``--max-shard-size``)
+plus the largest tensor, never the model; ``--format torch`` holds one output shard,
+since ``torch.save`` wants the whole dict. Compare ``dcp_to_torch_save`` (everything,
+optimizer included) and ``zero_to_fp32`` (ZeRO-1/2: the merged flat groups; ZeRO-3:
+every mapped page it touched).
+
+Output is the Hugging Face layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+plus ``model.safetensors.index.json`` (``pytorch_model*.bin`` for ``--format torch``), and
+``consolidated.json`` (source, step, dtype). It is written into a temporary folder beside
+``out``, each file fsynced, and renamed into place at the end, so nothing in ``out`` ever
+looks complete when it is not.
+
+Compute-node side too: the job's final step runs ``python -m train_entry.consolidate``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from orchestrator import contract
+from train_entry.consolidate.dcp import DcpReader
+from train_entry.consolidate.items import ConsolidateError, Item
+from train_entry.consolidate.writers import SafetensorsWriter, TorchWriter, index_name, plan_shards, shard_names
+from train_entry.consolidate.zero import ZeroReader
+
+__all__ = [
+    "DTYPES", "FORMATS", "READ_BATCH_BYTES", "RECORD", "ConsolidateError", "DcpReader", "Item", "SafetensorsWriter",
+    "TorchWriter", "ZeroReader", "consolidate", "index_name", "open_reader", "plan_shards", "shard_names",
+]
+
+DTYPES = ("fp32", "bf16", "fp16")
+FORMATS = ("safetensors", "torch")
+RECORD = "consolidated.json"  # written last into the output: what it was made from
+READ_BATCH_BYTES = 128 * 1024**2  # read (and keep mapped) at most this much at a time
+
+
+def open_reader(folder: Path, manifest: dict):
+    fmt = manifest.get("state_format")
+    if fmt == "dcp":
+        return DcpReader(folder / "dcp")
+    if fmt == "deepspeed":
+        tags = [d for d in (folder / "deepspeed").iterdir() if d.is_dir()] if (folder / "deepspeed").is_dir() else []
+        if len(tags) != 1:
+            raise ConsolidateError(f"{folder / 'deepspeed'}: expected one tag folder, found {len(tags)}")
+        return ZeroReader(tags[0])
+    raise ConsolidateError(f"{folder}: consolidating {fmt!r} checkpoints is not supported (DCP and DeepSpeed are)")
+
+
+def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32", fmt: str = "safetensors",
+                max_shard_bytes: int = 5 * 1024**3) -> dict:
+    """Write the model weights of one committed checkpoint to ``out``; returns a summary."""
+    folder, out = Path(folder), Path(out)
+    if dtype not in DTYPES:
+        raise ConsolidateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    if fmt not in FORMATS:
+        raise ConsolidateError(f"--format {fmt}: use safetensors or torch")
+    if out.exists() and any(out.iterdir()):
+        raise ConsolidateError(f"--out {out} exists and is not empty; give a new folder")
+    if not (folder / contract.MANIFEST).exists():
+        raise ConsolidateError(f"{folder}: no {contract.MANIFEST}: not a committed checkpoint (see `orchestrate ckpt list`)")
+    problem = contract.verify_checkpoint(folder)
+    if problem:
+        raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
+    manifest = contract.read_json(folder / contract.MANIFEST)
+    started = time.time()
+    reader = open_reader(folder, manifest)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        summary = _write_all(reader, tmp, dtype, fmt, max_shard_bytes)
+        summary.update(source=str(folder.resolve()), step=manifest.get("step"), engine=manifest.get("engine"))
+        contract.atomic_write_json(tmp / RECORD, summary)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {**summary, "out": str(out), "seconds": round(time.time() - started, 2)}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _write_all(reader, dst: Path, dtype: str, fmt: str, max_shard_bytes: int) -> dict:
+    """Every shard in plan order, each read in batches of at most ``READ_BATCH_BYTES`` whose
+    rank files are released before the next, so peak memory stays one batch."""
+    out_dtype = _torch_dtype(dtype)
+    items = reader.items(out_dtype)
+    if not items:
+        raise ConsolidateError(f"{reader.src}: no model tensors in this checkpoint")
+    shards = plan_shards(items, max_shard_bytes)
+    names = shard_names(len(shards), fmt)
+    weight_map, total = {}, 0
+    for shard, fname in zip(shards, names):
+        writer = SafetensorsWriter(dst / fname, shard) if fmt == "safetensors" else TorchWriter(dst / fname)
+        for batch in plan_shards(shard, min(READ_BATCH_BYTES, max_shard_bytes)):
+            group = reader.read(batch, fname)
+            for it in batch:
+                writer.add(it, group[it.key].to(it.dtype))
+                weight_map[it.name] = fname
+                total += it.nbytes
+            del group
+            reader.release()
+        writer.close()
+    if len(names) > 1:
+        contract.atomic_write_json(dst / index_name(fmt), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return {"tensors": len(items), "bytes": total, "files": names, "dtype": dtype, "format": fmt}
