@@ -65,7 +65,7 @@ def test_task_config_defaults_are_the_specs():
     import dataclasses
 
     from orchestrator.contract import taskconfig as tc
-    from orchestrator.spec import model as spec
+    from orchestrator.spec import sections as spec
 
     pairs = {
         tc.Resources: spec.Resources, tc.Optimizer: spec.Optimizer, tc.Schedule: spec.Schedule, tc.Batch: spec.Batch,
@@ -87,7 +87,7 @@ def test_task_config_defaults_are_the_specs():
 
 def test_task_config_round_trips_what_the_planner_writes(tmp_path):
     from orchestrator.contract import TaskConfig, TaskConfigError
-    from orchestrator.spec.model import load_spec
+    from orchestrator.spec.load import load_spec
     from orchestrator.spec.sweep import expand
     from orchestrator.submit.plan import build_plan
 

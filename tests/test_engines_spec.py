@@ -7,7 +7,7 @@ import pytest
 from conftest import cli, write
 from orchestrator.submit import deepspeed_config
 from orchestrator.errors import SpecError
-from orchestrator.spec.model import load_spec
+from orchestrator.spec.load import load_spec
 
 
 def issues_of(tmp_path, text):

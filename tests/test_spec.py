@@ -4,7 +4,7 @@ import pytest
 
 from conftest import cli, write
 from orchestrator.errors import SpecError
-from orchestrator.spec.model import load_spec
+from orchestrator.spec.load import load_spec
 from orchestrator.spec.sweep import expand
 
 GOOD = "name: ok\nsteps: 10\n"

@@ -2,8 +2,8 @@
 
 A checkpoint is found by what the user has at hand: an experiment (id or name), a run
 folder, a task folder, its ``checkpoints`` folder, or one ``step-N`` folder. What a
-checkpoint is, and when it counts, is ``protocol``'s: a ``step-N`` folder with a
-manifest, written last.
+checkpoint is, and when it counts, is the contract's (``contract.checkpoint``): a
+``step-N`` folder with a manifest, written last.
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
-"""The experiment spec: pydantic models (``model``), YAML loading with line numbers
-(``yamlsrc``), sweep expansion (``sweep``), SLURM units (``units``) and the generated
-field reference (``reference``)."""
+"""The experiment spec. Models: ``experiment`` (the whole `Spec`) built from ``workload``
+(model, data), ``engines``, ``sections`` (resources, batch, optimizer, policies) on the
+base in ``strict``. Loading: ``load`` (YAML with line numbers via ``yamlsrc``, `--set`
+overrides), ``issues`` (errors pointed at the user's text). Also sweep expansion
+(``sweep``), SLURM units (``units``) and the generated field reference (``reference``)."""

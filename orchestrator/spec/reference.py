@@ -10,7 +10,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from orchestrator.spec.model import Spec
+from orchestrator.spec.experiment import Spec
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:

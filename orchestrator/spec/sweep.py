@@ -9,25 +9,27 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.spec import model as spec_mod
-from orchestrator.spec import yamlsrc
 from orchestrator.errors import SpecError, SpecIssue
+from orchestrator.spec import yamlsrc
+from orchestrator.spec.experiment import UNSWEEPABLE, Spec
+from orchestrator.spec.issues import issues_from
+from orchestrator.spec.load import set_path
 
 
 @dataclass(frozen=True)
 class TaskSpec:
     index: int
     params: dict[str, Any]  # dotted field path -> value, as written in the sweep
-    spec: spec_mod.Spec
+    spec: Spec
 
 
-def expand(spec: spec_mod.Spec, raw: dict, lines: dict, source: str) -> list[TaskSpec]:
+def expand(spec: Spec, raw: dict, lines: dict, source: str) -> list[TaskSpec]:
     """Every sweep point as a fully validated spec, or SpecError listing every bad point."""
     sweep = spec.sweep
     issues: list[SpecIssue] = []
     for key in list(sweep.grid) + [k for p in sweep.points for k in p]:
         head = key.split(".", 1)[0]
-        if head in spec_mod.UNSWEEPABLE:
+        if head in UNSWEEPABLE:
             where = ("sweep", "grid", key) if key in sweep.grid else ("sweep", "points")
             issues.append(
                 SpecIssue(
@@ -60,11 +62,11 @@ def expand(spec: spec_mod.Spec, raw: dict, lines: dict, source: str) -> list[Tas
     for index, (params, where) in enumerate(points):
         task_raw = copy.deepcopy(base)
         for key, value in params.items():
-            spec_mod.set_path(task_raw, tuple(key.split(".")), value)
+            set_path(task_raw, tuple(key.split(".")), value)
         try:
-            task_spec = spec_mod.Spec.model_validate(task_raw)
+            task_spec = Spec.model_validate(task_raw)
         except ValidationError as exc:
-            for issue in spec_mod.issues_from(exc, task_raw, {}, source):
+            for issue in issues_from(exc, task_raw, {}, source):
                 issues.append(
                     SpecIssue(
                         issue.path,

@@ -1,7 +1,8 @@
 """The DeepSpeed config of a task: a template from ``templates/deepspeed/``, then what
 the spec decides (batch sizes, stage, offload, precision, clipping), then the spec's
-own ``engine.config`` entries (pure; rendered on the login side, saved in the run
-folder, read by the trainer)."""
+own ``engine.config`` entries. The merging is pure; the template is read from the
+installed templates. Rendered on the login side, saved in the run folder, read by the
+trainer."""
 
 from __future__ import annotations
 

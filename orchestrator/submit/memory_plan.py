@@ -1,4 +1,7 @@
-"""Per-GPU memory and communication of each engine for a spec, and a recommendation (pure).
+"""Per-GPU memory and communication of each engine for a spec, and a recommendation.
+
+The estimates are pure functions of the model's shape; only ``shape_of`` an entry-point
+model builds it once (lazily importing torch and train_entry) to count its parameters.
 
 Model states follow what each engine keeps (bytes per parameter, Ψ = parameters,
 N = data-parallel ranks, L = parameters of the largest layer):

@@ -1,4 +1,5 @@
-"""Spec -> submission plan: everything that will be written and submitted (pure)."""
+"""Spec -> submission plan: everything that will be written and submitted. No side
+effects: it reads only the DeepSpeed templates; ``submission`` writes and submits."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from orchestrator.submit import deepspeed_config
 
 from orchestrator import contract
-from orchestrator.spec.model import Resources, Spec
+from orchestrator.spec.experiment import Spec
+from orchestrator.spec.sections import Resources
 from orchestrator.spec.sweep import TaskSpec
 from orchestrator.spec.units import parse_bytes
 

@@ -11,7 +11,7 @@ from orchestrator import contract
 from orchestrator.errors import UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
-from orchestrator.spec.model import dump_resolved, load_spec, set_path
+from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
 from orchestrator.submit.plan import Plan, build_plan
 

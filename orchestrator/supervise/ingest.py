@@ -13,72 +13,58 @@ from orchestrator.ledger import Ledger
 from orchestrator.supervise.launches import LaunchRecord
 
 
-def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path) -> None:
-    """Heartbeats and metrics of one task into the ledger, and its progress columns."""
-    hb_rows = []
+_HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "time")
+_METRIC_FIELDS = ("loss", "lr", "throughput", "time")
+
+
+def read_heartbeats(task_dir: str | Path) -> list[dict]:
+    """The latest heartbeat of every rank (ledger columns, without the task's keys)."""
+    rows = []
     hb_dir = contract.heartbeat_dir(task_dir)
-    if hb_dir.is_dir():
-        for f in hb_dir.glob("rank-*.json"):
-            rec = contract.read_json(f)
-            if not rec:
-                continue
-            hb_rows.append(
-                {
-                    "experiment_id": exp_id,
-                    "idx": idx,
-                    "rank": rec["rank"],
-                    "node": rec.get("node"),
-                    "pid": rec.get("pid"),
-                    "launch": rec.get("launch"),
-                    "step": rec.get("step"),
-                    "phase": rec.get("phase"),
-                    "step_time_s": rec.get("step_time_s"),
-                    "generation": rec.get("generation", 0),
-                    "time": rec.get("time"),
-                }
-            )
-    mpath = contract.metrics_path(task_dir)
-    offset = ledger.cursor(str(mpath))
-    metrics, new_offset = contract.read_jsonl_from(mpath, offset)
-    metric_rows = [
-        {
-            "experiment_id": exp_id,
-            "idx": idx,
-            "step": m["step"],
-            "loss": m.get("loss"),
-            "lr": m.get("lr"),
-            "throughput": m.get("throughput"),
-            "time": m.get("time"),
-        }
-        for m in metrics
-        if "step" in m
-    ]
-    epath = contract.events_path(task_dir)
-    eoffset = ledger.cursor(str(epath))
-    trainer_events, new_eoffset = contract.read_jsonl_from(epath, eoffset)
-    if not hb_rows and not metric_rows and not trainer_events:
+    for f in hb_dir.glob("rank-*.json") if hb_dir.is_dir() else ():
+        rec = contract.read_json(f)
+        if rec:
+            rows.append({"rank": rec["rank"], "generation": rec.get("generation", 0), **{k: rec.get(k) for k in _HEARTBEAT_FIELDS}})
+    return rows
+
+
+def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], metrics: list[dict]) -> dict:
+    """The task's summary columns from the newest heartbeats and metrics."""
+    fields: dict = {}
+    if beats:
+        fields["heartbeat_at"] = max(r["time"] or 0 for r in beats)
+        fields["step"] = max(r["step"] or 0 for r in beats)
+        fields["nodes"] = ",".join(sorted({r["node"] for r in beats if r["node"]}))
+        slowest = max((r["step_time_s"] or 0 for r in beats), default=0)
+        if slowest > (ledger.task(exp_id, idx).get("step_time_max") or 0):
+            fields["step_time_max"] = slowest
+    if metrics:
+        last = max(metrics, key=lambda r: r["step"])
+        fields.update(loss=last["loss"], throughput=last["throughput"])
+    return fields
+
+
+def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path) -> None:
+    """Heartbeats, metrics and trainer events of one task into the ledger, and its
+    progress columns, in one transaction with the read offsets."""
+    key = {"experiment_id": exp_id, "idx": idx}
+    beats = [{**key, **r} for r in read_heartbeats(task_dir)]
+    mpath, epath = contract.metrics_path(task_dir), contract.events_path(task_dir)
+    metrics, m_offset = contract.read_jsonl_from(mpath, ledger.cursor(str(mpath)))
+    metrics = [{**key, "step": m["step"], **{k: m.get(k) for k in _METRIC_FIELDS}} for m in metrics if "step" in m]
+    events, e_offset = contract.read_jsonl_from(epath, ledger.cursor(str(epath)))
+    if not beats and not metrics and not events:
         return
     with ledger.tx():
-        for e in trainer_events:
+        for e in events:
             ledger.event(exp_id, e.get("event", "trainer"), e.get("cause", ""), idx=idx)
             if e.get("event") == "checkpoint.committed" and e.get("folder"):
                 ledger.record_checkpoint(exp_id, idx, int(e["step"]), e["folder"], e.get("time"))
-        ledger.set_cursor(str(epath), new_eoffset)
-        ledger.upsert_heartbeats(hb_rows)
-        ledger.add_metrics(metric_rows)
-        ledger.set_cursor(str(mpath), new_offset)
-        fields = {}
-        if hb_rows:
-            fields["heartbeat_at"] = max(r["time"] or 0 for r in hb_rows)
-            fields["step"] = max(r["step"] or 0 for r in hb_rows)
-            fields["nodes"] = ",".join(sorted({r["node"] for r in hb_rows if r["node"]}))
-            slowest = max((r["step_time_s"] or 0 for r in hb_rows), default=0)
-            if slowest > (ledger.task(exp_id, idx).get("step_time_max") or 0):
-                fields["step_time_max"] = slowest
-        if metric_rows:
-            last = max(metric_rows, key=lambda r: r["step"])
-            fields.update(loss=last["loss"], throughput=last["throughput"])
-        ledger.update_task(exp_id, idx, **fields)
+        ledger.set_cursor(str(epath), e_offset)
+        ledger.upsert_heartbeats(beats)
+        ledger.add_metrics(metrics)
+        ledger.set_cursor(str(mpath), m_offset)
+        ledger.update_task(exp_id, idx, **_progress_columns(ledger, exp_id, idx, beats, metrics))
 
 
 def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: int, launch: LaunchRecord, task_dir: str) -> None:

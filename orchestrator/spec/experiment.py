@@ -1,0 +1,97 @@
+"""The whole spec of one experiment (`Spec`): its sections and the checks across them.
+
+Sections live in ``workload``, ``engines`` and ``sections``; loading in ``load``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator, model_validator
+
+from orchestrator.spec.engines import DDPEngine, EngineSpec
+from orchestrator.spec.sections import (
+    Batch,
+    Checkpoint,
+    Heartbeat,
+    Logging,
+    Optimizer,
+    Resources,
+    Retry,
+    Schedule,
+    Sweep,
+)
+from orchestrator.spec.strict import FieldError, Strict
+from orchestrator.spec.workload import DataSpec, GPTModel, ModelSpec, SyntheticData
+
+
+class Spec(Strict):
+    """One experiment: what to train, how, where, and what to do when things fail."""
+
+    name: str = Field(description="Experiment name: letters, digits, `_.-`, at most 64.")
+    workdir: str | None = Field(
+        None, description="Where run folders are created; relative to the current directory. Default: `$ORCHESTRATE_HOME/runs`."
+    )
+    model: ModelSpec = Field(default_factory=GPTModel, description="The model: `kind: gpt` or `kind: entrypoint`.")
+    data: DataSpec = Field(default_factory=SyntheticData, description="The data: `kind: synthetic` or `kind: text`.")
+    engine: EngineSpec = Field(default_factory=DDPEngine, description="The parallelism engine.")
+    optimizer: Optimizer = Field(default_factory=Optimizer, description="Optimizer.")
+    schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate schedule.")
+    seed: int = Field(0, description="Seed of initialisation and data order.")
+    batch: Batch = Field(default_factory=Batch, description="Batch sizes.")
+    steps: int = Field(ge=1, description="Optimizer steps to train.")
+    resources: Resources = Field(default_factory=Resources, description="What each task asks the scheduler for.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the training processes.")
+    sweep: Sweep = Field(default_factory=Sweep, description="Sweep over any field except name, workdir, resources, sweep.")
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint policy.")
+    retry: Retry = Field(default_factory=Retry, description="Retry policy.")
+    heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="Heartbeats and hang detection.")
+    logging: Logging = Field(default_factory=Logging, description="Metric logging.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError("use letters, digits, '_', '.', '-' (at most 64, starting with a letter or digit)")
+        return v
+
+    @model_validator(mode="after")
+    def _across_fields(self) -> "Spec":
+        b, world = self.batch, self.resources.world_size
+        per_step = b.micro_batch_size * world  # sequences per micro-step over all data-parallel ranks
+        if b.global_batch_size is not None:
+            if b.grad_accum is None:
+                if b.global_batch_size % per_step:
+                    raise FieldError(
+                        ("batch", "global_batch_size"),
+                        f"{b.global_batch_size} is not a multiple of micro_batch_size x world size = "
+                        f"{b.micro_batch_size} x {world} = {per_step}",
+                    )
+                b.grad_accum = b.global_batch_size // per_step
+            elif b.global_batch_size != per_step * b.grad_accum:
+                raise FieldError(
+                    ("batch", "global_batch_size"),
+                    f"{b.global_batch_size} != micro_batch_size x grad_accum x world size = {b.micro_batch_size} x "
+                    f"{b.grad_accum} x {world} = {per_step * b.grad_accum}; fix one, or leave grad_accum out to derive it",
+                )
+        if b.grad_accum is None:
+            b.grad_accum = 1
+        if b.global_batch_size is None:
+            b.global_batch_size = per_step * b.grad_accum
+        if self.checkpoint.async_save and self.engine.kind == "deepspeed":
+            raise FieldError(("checkpoint", "async_save"), "DeepSpeed saves synchronously; async_save is for ddp and fsdp (DCP)")
+        if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:
+            raise FieldError(
+                ("engine", "precision"),
+                "fp16 runs on GPUs only (DeepSpeed's CPU accelerator has no fp16); use bf16, or set resources.gpus_per_task: 1",
+            )
+        if self.engine.kind == "fsdp" and self.engine.sharding == "hybrid" and self.resources.nodes < 2:
+            raise FieldError(
+                ("engine", "sharding"),
+                "hybrid shards within a node and replicates across nodes; with resources.nodes: 1 use `full`",
+            )
+        return self
+
+
+# Fields a sweep may not vary: one job array shares one name, folder and resource request.
+UNSWEEPABLE = ("name", "workdir", "resources", "sweep")

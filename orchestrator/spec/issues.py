@@ -1,0 +1,116 @@
+"""Pydantic validation errors turned into spec issues that point at the user's text:
+the path in the data (not pydantic's location), the YAML line or `--set`, a plain message.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from orchestrator.errors import SpecIssue
+from orchestrator.spec import yamlsrc
+from orchestrator.spec.experiment import Spec
+from orchestrator.spec.strict import FieldError
+
+
+def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=frozenset()) -> list[SpecIssue]:
+    issues = []
+    for err in exc.errors():
+        path = data_path(raw, err["loc"])
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, FieldError):
+            path = _in_data(raw, err["loc"]) + cause.path
+            msg = str(cause)
+        if err["type"] == "extra_forbidden":
+            valid = valid_keys(raw, path[:-1])
+            msg = f"unknown key '{path[-1]}'" + (f"; valid keys: {', '.join(valid)}" if valid else "")
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        elif err["type"] == "union_tag_invalid":
+            path = path + ("kind",)
+            ctx = err.get("ctx", {})
+            msg = f"unknown kind {ctx.get('tag')!r}; valid kinds: {ctx.get('expected_tags')}"
+        if err["type"] not in ("missing", "extra_forbidden", "union_tag_invalid") and "input" in err and not isinstance(err["input"], (dict, list)):
+            msg += f" (got {err['input']!r})"
+        from_set = any(tuple(path[: len(p)]) == p for p in set_paths)
+        issues.append(
+            SpecIssue(
+                yamlsrc.dotted(path),
+                None if from_set else yamlsrc.line_of(lines, path),
+                msg,
+                "--set" if from_set else source,
+            )
+        )
+    return issues
+
+
+def data_path(raw: Any, loc: tuple) -> tuple:
+    """Turn a pydantic error location into a path in the data, dropping union tags."""
+    out, cur = [], raw
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(cur, dict) and part in cur:
+            out.append(part)
+            cur = cur[part]
+        elif isinstance(cur, (list, tuple)) and isinstance(part, int) and part < len(cur):
+            out.append(part)
+            cur = cur[part]
+        elif last or not isinstance(cur, dict):
+            out.append(part)
+            cur = None
+        # else: a union tag that pydantic puts in the location; it is not in the data
+    return tuple(out)
+
+
+def _in_data(raw: Any, loc: tuple) -> tuple:
+    """The part of a location that is in the data (a model validator's location ends
+    with the union tag of its model, which is not)."""
+    out, cur = [], raw
+    for part in loc:
+        if isinstance(cur, dict) and part in cur:
+            out.append(part)
+            cur = cur[part]
+    return tuple(out)
+
+
+def valid_keys(raw: Any, path: tuple) -> list[str]:
+    """Field names of the model found at ``path`` (following `kind` in the data)."""
+    model: type[BaseModel] | None = Spec
+    cur = raw
+    for part in path:
+        if model is None or isinstance(part, int):
+            return []
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        cur = cur.get(part) if isinstance(cur, dict) else None
+        model = _model_of(field.annotation, cur)
+    return sorted(model.model_fields) if model is not None else []
+
+
+def _model_of(annotation: Any, value: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = typing.get_args(annotation)
+    candidates = []
+    for arg in args:
+        m = _model_of(arg, value)
+        if m is not None:
+            candidates.append(m)
+    if not candidates:
+        return None
+    kind = value.get("kind") if isinstance(value, dict) else None
+    for m in candidates:
+        field = m.model_fields.get("kind")
+        if field is None:
+            continue
+        if kind is None and isinstance(field.default, str):
+            return m  # the variant used when `kind` is left out
+        if kind in typing.get_args(field.annotation):
+            return m
+    return candidates[0]
