@@ -1,0 +1,93 @@
+"""The scheduler interface: both implementations provide every method the rest of the
+tool calls, and the SLURM scheduler's commands are checked through an injected runner
+(no SLURM needed, no module patched)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import UserError
+from orchestrator.scheduler import Scheduler, get_scheduler
+from orchestrator.scheduler.base import JobRef
+from orchestrator.scheduler.commands import CommandError, Runner
+from orchestrator.scheduler.local import LocalScheduler
+from orchestrator.scheduler.slurm import SlurmScheduler
+
+
+class FakeRunner(Runner):
+    """Records every argv; answers from a table of (first words -> stdout or error)."""
+
+    def __init__(self, answers=None):
+        self.calls: list[list[str]] = []
+        self.answers = answers or {}
+
+    def _answer(self, argv):
+        self.calls.append([str(a) for a in argv])
+        for prefix, out in self.answers.items():
+            if " ".join(map(str, argv)).startswith(prefix):
+                if isinstance(out, CommandError):
+                    raise out
+                return subprocess.CompletedProcess(argv, 0, out, "")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    def run(self, argv, **kw):
+        return self._answer(argv)
+
+    def query(self, argv, **kw):
+        return self._answer(argv)
+
+
+def test_both_schedulers_implement_the_whole_interface():
+    wanted = {n for n, v in vars(Scheduler).items() if callable(v) and not n.startswith("_")}
+    assert {"check", "submit", "poll", "cancel", "requeue", "release", "resubmit", "find_submission", "node_states"} <= wanted
+    for impl in (SlurmScheduler, LocalScheduler):
+        for name in wanted:
+            ours = inspect.signature(getattr(impl, name))
+            theirs = inspect.signature(getattr(Scheduler, name))
+            assert list(ours.parameters) == list(theirs.parameters), f"{impl.__name__}.{name}{ours} != {theirs}"
+        assert impl.capabilities is not None
+    # what generic code asks instead of the name
+    assert SlurmScheduler.capabilities.requeue_in_place and not LocalScheduler.capabilities.requeue_in_place
+    assert SlurmScheduler.capabilities.tells_why_stopped and not LocalScheduler.capabilities.tells_why_stopped
+
+
+def test_unknown_executor_is_a_user_error():
+    with pytest.raises(UserError, match="unknown executor 'pbs'; use one of: slurm, local"):
+        get_scheduler("pbs")
+
+
+def test_one_poll_is_one_sacct_and_one_squeue_for_all_jobs(tmp_path):
+    runner = FakeRunner({"sacct": "", "squeue": ""})
+    sched = get_scheduler("slurm", runner)
+    refs = [JobRef(f"12_{i}", tmp_path, i, submitted_at=1.7e9) for i in range(3)] + [JobRef("15", tmp_path, 0, submitted_at=1.7e9)]
+    sched.poll(refs)
+    assert [c[0] for c in runner.calls] == ["sacct", "squeue"]
+    sacct = runner.calls[0]
+    assert sacct[sacct.index("-j") + 1] == "12,15" and "-D" in sacct and "-S" in sacct  # every run of a requeued job, since just before
+
+
+def test_requeue_tells_a_forgotten_job_from_a_failure_and_release_holds_and_excludes():
+    invalid = CommandError(["scontrol"], 1, "", "scontrol: error: Invalid job id specified")
+    assert SlurmScheduler(FakeRunner({"scontrol requeue": invalid})).requeue("7_1") is False
+    already = CommandError(["scontrol"], 1, "", "Job is pending execution")
+    assert SlurmScheduler(FakeRunner({"scontrol requeue": already})).requeue("7_1") is True
+    other = CommandError(["scontrol"], 1, "", "Access/permission denied")
+    with pytest.raises(CommandError):
+        SlurmScheduler(FakeRunner({"scontrol requeue": other})).requeue("7_1")
+    runner = FakeRunner()
+    SlurmScheduler(runner).release("7_1", ["n3", "n1"], 12.7)
+    assert runner.calls == [["scontrol", "update", "JobId=7_1", "StartTime=now+12", "ExcNodeList=n1,n3"]]
+
+
+def test_node_states_and_cancel_go_through_the_runner(tmp_path):
+    runner = FakeRunner({"sinfo": "n1|idle\nn2|down*\n"})
+    sched = SlurmScheduler(runner)
+    assert sched.node_states() == {"n1": "idle", "n2": "down*"}
+    sched.cancel([JobRef("7_1", tmp_path, 1), JobRef("7_0", tmp_path, 0), JobRef("7_1", tmp_path, 1)])
+    assert runner.calls[-1] == ["scancel", "7_0", "7_1"]
+    sched.cancel([])
+    assert runner.calls[-1][0] == "scancel" and len(runner.calls) == 2  # nothing to cancel: no call
