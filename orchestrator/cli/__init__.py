@@ -1,2 +1,3 @@
-"""The ``orchestrate`` command: argument parsing (``main``), one module per command
-group, and the terminal renderers (``render``)."""
+"""The ``orchestrate`` command: the entry point and dispatch (``main``), the grammar
+(``parser``), one module per command group, imported only when its command runs, and
+the terminal renderers (``render``, ``console``)."""

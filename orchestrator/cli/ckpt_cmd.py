@@ -1,0 +1,118 @@
+"""ckpt list, verify, prune, consolidate: sharded checkpoints, by experiment or by folder."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from orchestrator import contract
+from orchestrator.checkpoints import commands as ckpt
+from orchestrator.cli.console import stdout_console
+from orchestrator.errors import UserError
+from orchestrator.ledger import access
+
+
+def cmd_ckpt(args) -> int:
+    if args.ckpt_command == "consolidate":
+        return _consolidate(args)
+    if args.ckpt_command == "verify":
+        return _verify(args)
+    path, owner = _ckpt_target(access.home_dir(args.home), args.target)
+    if args.ckpt_command == "list":
+        return _list(args, path)
+    return _prune(args, path, owner)
+
+
+def _one_checkpoint(path: str, good_only: bool = False) -> Path:
+    """A checkpoint folder as given, or the newest (good) one under a task folder."""
+    folder = Path(path).expanduser()
+    if (folder / contract.MANIFEST).exists() or folder.name.startswith((".tmp-", "step-")):
+        return folder
+    found = [c for c in ckpt.find(folder) if (c.verified if good_only else c.committed)]
+    if not found:
+        raise UserError(f"'{folder}' holds no {'good' if good_only else 'committed'} checkpoint; see `orchestrate ckpt list {folder}`")
+    return found[-1].folder
+
+
+def _ckpt_target(home, target: str):
+    """(path, (ledger, experiment) or None) for an experiment reference or a path."""
+    path = Path(target).expanduser()
+    if path.exists():
+        return path, None
+    ledger = access.open_ledger(home)
+    exp = access.resolve_experiment(ledger, target)[0]
+    return Path(exp["run_dir"]), (ledger, exp)
+
+
+def _consolidate(args) -> int:
+    # imported here: the consolidator reads tensors (torch, safetensors); list, verify and prune never do
+    from train_entry.consolidate import ConsolidateError, consolidate
+
+    from orchestrator.spec.units import parse_bytes
+
+    try:
+        max_bytes = parse_bytes(args.max_shard_size)
+    except ValueError as exc:
+        raise UserError(f"--max-shard-size: {exc}") from None
+    folder = _one_checkpoint(args.path, good_only=True)
+    try:
+        done = consolidate(folder, args.out, args.dtype, args.format, max_bytes)
+    except ConsolidateError as exc:
+        raise UserError(str(exc)) from None
+    print(f"{done['tensors']} tensors ({done['bytes'] / 1e6:,.1f} MB {done['dtype']}) of step {done['step']} "
+          f"in {len(done['files'])} file(s) in {done['out']} ({done['seconds']} s)")
+    return 0
+
+
+def _verify(args) -> int:
+    folder = _one_checkpoint(args.path)
+    problem = ckpt.verify(folder)
+    if problem:
+        print(f"damaged: {problem}", file=sys.stderr)
+        return 1
+    manifest = contract.read_json(folder / contract.MANIFEST)
+    print(f"{folder}: good ({len(manifest['files'])} files, sizes and sha256 as the manifest says)")
+    return 0
+
+
+def _list(args, path: Path) -> int:
+    found = ckpt.find(path, deep=args.deep)
+    if args.json:
+        print(json.dumps([
+            {"task": c.task, "step": c.step, "folder": str(c.folder), "engine": c.engine, "world_size": c.world_size,
+             "size": c.size, "committed": c.committed, "verified": c.verified, "problem": c.problem} for c in found
+        ], indent=2))
+        return 0
+    from rich.table import Table  # only the table needs rich
+
+    t = Table(title=str(path), title_justify="left")
+    for col in ("task", "step", "engine", "world", "size", "committed", "verified", "folder"):
+        t.add_column(col, overflow="fold")
+    for c in found:
+        t.add_row(c.task, str(c.step), c.engine or "-", str(c.world_size or "-"), ckpt.human_size(c.size),
+                  "yes" if c.committed else "no", "yes" if c.verified else f"no: {c.problem}", c.folder.name)
+    stdout_console().print(t)
+    return 0
+
+
+def _prune(args, path: Path, owner) -> int:
+    """Remove all but the newest K good checkpoints per task; with an experiment, record it in the ledger."""
+    plan = ckpt.plan_prune(ckpt.find(path), args.keep)
+    for c in plan.remove:
+        print(f"{'would remove' if args.dry_run else 'removing'} task {c.task} {c.folder.name} ({ckpt.human_size(c.size)})")
+    if args.dry_run:
+        print(f"dry run: {len(plan.remove)} to remove, {len(plan.keep)} kept; nothing removed")
+        return 0
+    for c in plan.remove:
+        try:
+            contract.discard_checkpoint(c.folder)
+        except FileNotFoundError:
+            continue  # removed meanwhile (the run's own rotation): the same end
+        if owner and c.step is not None and c.task.isdigit():
+            owner[0].mark_checkpoint(owner[1]["id"], int(c.task), c.step, "PRUNED")
+    if owner and plan.remove:
+        ledger, exp = owner
+        ledger.event(exp["id"], "checkpoint.pruned", f"orchestrate ckpt prune --keep {args.keep}: removed {len(plan.remove)} checkpoint(s)")
+    print(f"removed {len(plan.remove)} checkpoint(s), kept {len(plan.keep)}")
+    return 0

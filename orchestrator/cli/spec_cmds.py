@@ -1,0 +1,55 @@
+"""validate, schema, plan: the commands that read a spec and submit nothing."""
+
+from __future__ import annotations
+
+import json
+
+from orchestrator.cli import render
+from orchestrator.cli.console import stdout_console
+from orchestrator.errors import UserError
+from orchestrator.ledger import access
+from orchestrator.spec.units import parse_memory_mb
+from orchestrator.submit import memory_plan as mp
+from orchestrator.submit import submission
+
+
+def cmd_validate(args) -> int:
+    home = access.home_dir(args.home)
+    plan = submission.make_plan(args.spec, args.overrides, "local", home)
+    print(f"{args.spec}: valid, {len(plan.tasks)} task(s), world size {plan.resources.world_size} each")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from orchestrator.spec.experiment import Spec
+
+    if args.markdown:
+        from orchestrator.spec.reference import markdown_reference
+
+        print(markdown_reference())
+    else:
+        print(json.dumps(Spec.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    home = access.home_dir(args.home)
+    plan = submission.make_plan(args.spec, args.overrides, "local", home)
+    tasks = {t.index: t for t in plan.tasks}
+    if args.task not in tasks:
+        raise UserError(f"--task {args.task}: the sweep has tasks 0..{len(tasks) - 1}")
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1")
+    try:
+        gpu_memory = parse_memory_mb(args.gpu_memory) * 1024**2 if args.gpu_memory else None
+    except ValueError as exc:
+        raise UserError(f"--gpu-memory: {exc}") from None
+    spec = tasks[args.task].spec
+    doc = mp.plan(mp.shape_of(spec), mp.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory))
+    doc["spec_engine"] = mp.candidate_of(spec.engine)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        stdout_console().print(*render.memory_plan_tables(doc))
+    return 0

@@ -1,0 +1,65 @@
+"""submit: plan, submit every task, and with --dry-run only show what would be submitted."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from orchestrator.cli.follow import follow_experiment
+from orchestrator.ledger import access
+from orchestrator.scheduler import get_scheduler
+from orchestrator.submit import submission
+
+
+def cmd_submit(args) -> int:
+    home = access.home_dir(args.home)
+    plan = submission.make_plan(args.spec, args.overrides, args.executor, home)
+    get_scheduler(plan.executor)  # an unavailable executor is an error before anything is written
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(_dry_run_doc(plan), indent=2))
+        else:
+            print(_dry_run_text(plan))
+        return 0
+    ledger = access.open_ledger(home)
+    job_ids = submission.submit(ledger, plan)
+    jobs = ", ".join(sorted(set(job_ids.values())))
+    print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})", file=sys.stderr)
+    print(f"run folder {plan.run_dir}", file=sys.stderr)
+    if not args.watch:
+        print(plan.experiment_id)
+        return 0
+    return follow_experiment(ledger, plan.experiment_id, args.json, args.interval)
+
+
+def _slurm_check(plan) -> str:
+    """SLURM's own verdict on the plan (``sbatch --test-only``), when SLURM is here."""
+    import shutil
+
+    from orchestrator.scheduler.slurm import SlurmScheduler
+
+    if not shutil.which("sbatch"):
+        return "not checked: sbatch is not on PATH here"
+    return SlurmScheduler().check(plan)  # raises SchedulerError when SLURM would refuse
+
+
+def _dry_run_doc(plan) -> dict:
+    doc = plan.summary()
+    if plan.executor == "slurm":
+        from orchestrator.scheduler.slurm import render_batch_script
+
+        doc["sbatch_script"] = render_batch_script(plan)
+        doc["slurm_check"] = _slurm_check(plan)
+    return doc
+
+
+def _dry_run_text(plan) -> str:
+    from orchestrator.submit.plan import render_plan_text
+
+    text = render_plan_text(plan)
+    if plan.executor == "slurm":
+        from orchestrator.scheduler.slurm import render_batch_script
+
+        text += "\n\n# the batch script that would be submitted (one job array):\n" + render_batch_script(plan)
+        text += f"\n# sbatch --test-only: {_slurm_check(plan)}"
+    return text + "\n(dry run: nothing submitted, nothing recorded)"
