@@ -27,13 +27,15 @@ from bench.common import machine, stats  # noqa: E402
 WIDTH = 2048
 
 
-def _cfg(task_dir: Path, asynchronous: bool) -> dict:
-    return {
-        "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2, "async_save": asynchronous, "verify": "sha256"},
+def _cfg(task_dir: Path, asynchronous: bool):
+    from orchestrator.contract import CONTRACT_VERSION, TaskConfig
+
+    return TaskConfig.from_dict({
+        "contract": CONTRACT_VERSION, "experiment_id": "bench", "index": 0, "steps": 1, "task_dir": str(task_dir),
+        "checkpoint": {"every_steps": 1, "keep_last": 2, "async_save": asynchronous, "verify": "sha256"},
         "engine": {"kind": "ddp", "precision": "fp32", "find_unused_parameters": False},
-        "optimizer": {"name": "adamw", "lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.0, "grad_clip": None},
-        "task_dir": str(task_dir),
-    }
+        "optimizer": {"name": "adamw", "lr": 1e-4, "grad_clip": None},
+    })
 
 
 def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, port: int) -> None:
@@ -58,7 +60,7 @@ def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, po
         for asynchronous in (False, True):
             step += 1
             tdir = base / ("async" if asynchronous else "sync")
-            ck = Checkpointer(_cfg(tdir, asynchronous), tdir, rank, world, engine)
+            ck = Checkpointer(_cfg(tdir, asynchronous), rank, world, engine)
             dist.barrier()
             t0 = time.perf_counter()
             info = ck.save(step, {})

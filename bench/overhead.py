@@ -79,10 +79,13 @@ def bare(cfg: dict) -> float:
         return float(out.stdout.strip().splitlines()[-1])
 
 
-def _bare_rank(rank: int, cfg: dict, port: int, result: str) -> None:
+def _bare_rank(rank: int, raw: dict, port: int, result: str) -> None:
     """The loop a user would write: same model, data, engine, LR schedule; nothing else."""
+    from orchestrator.contract import TaskConfig
+
+    cfg = TaskConfig.from_dict(raw)  # the plain dict crosses mp.spawn (a read-only mapping does not pickle)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS=str(cfg["resources"]["cpus_per_task"]))
+                      OMP_NUM_THREADS=str(cfg.resources.cpus_per_task))
     import torch
     from torch import distributed as dist
 
@@ -91,19 +94,19 @@ def _bare_rank(rank: int, cfg: dict, port: int, result: str) -> None:
     from train_entry.models import build_workload
     from train_entry.schedule import lr_at
 
-    torch.set_num_threads(cfg["resources"]["cpus_per_task"])  # torch came up before the variable was set
+    torch.set_num_threads(cfg.resources.cpus_per_task)  # torch came up before the variable was set
     dist.init_process_group("gloo")
-    torch.manual_seed(cfg["seed"])
-    w = build_workload(cfg)
+    torch.manual_seed(cfg.seed)
+    w = build_workload(cfg.model, cfg.data)
     engine = build_engine(cfg, w.model, torch.device("cpu"), None)
-    mb, accum, total = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"], cfg["steps"]
-    sampler = Sampler(len(w.dataset), cfg["seed"], mb, accum, 2, rank)
+    mb, accum, total = cfg.batch.micro_batch_size, cfg.batch.grad_accum, cfg.steps
+    sampler = Sampler(len(w.dataset), cfg.seed, mb, accum, 2, rank)
     t_first = None
     for step in range(total):
         for m in range(accum):
             x, y = sampler.batch(w.dataset, step, m, torch.device("cpu"))
             engine.micro_step(x, y, w.loss, accum, last=m == accum - 1)
-        engine.optimizer_step(lr_at(step, total, cfg["optimizer"], cfg["schedule"]))
+        engine.optimizer_step(lr_at(step, total, cfg.optimizer, cfg.schedule))
         if step + 1 == FIRST:
             t_first = time.time()
     if rank == 0:

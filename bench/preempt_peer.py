@@ -30,12 +30,14 @@ class Trainer(submitit.helpers.Checkpointable):
             socket.gethostbyname(os.environ["MASTER_ADDR"])
         except OSError:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-        cfg = json.loads(Path(cfg_path).read_text())
-        torch.set_num_threads(cfg["resources"]["cpus_per_task"])
+        from orchestrator.contract import TaskConfig
+
+        cfg = TaskConfig.from_dict(json.loads(Path(cfg_path).read_text()))
+        torch.set_num_threads(cfg.resources.cpus_per_task)
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(cfg["seed"])
-        w = build_workload(cfg)
+        torch.manual_seed(cfg.seed)
+        w = build_workload(cfg.model, cfg.data)
         engine = build_engine(cfg, w.model, torch.device("cpu"), None)
         ckpt, metrics = Path(work) / "ckpt.pt", Path(work) / "metrics.jsonl"
         restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -48,14 +50,14 @@ class Trainer(submitit.helpers.Checkpointable):
         if rank == 0:
             with open(metrics, "a") as fh:
                 fh.write(json.dumps({"event": "start", "time": started, "restart": restart, "resumed": step}) + "\n")
-        mb, accum, total = cfg["batch"]["micro_batch_size"], cfg["batch"]["grad_accum"], cfg["steps"]
-        sampler = Sampler(len(w.dataset), cfg["seed"], mb, accum, world, rank)
+        mb, accum, total = cfg.batch.micro_batch_size, cfg.batch.grad_accum, cfg.steps
+        sampler = Sampler(len(w.dataset), cfg.seed, mb, accum, world, rank)
         loss = torch.zeros(())
         while step < total:
             for m in range(accum):
                 x, y = sampler.batch(w.dataset, step, m, torch.device("cpu"))
                 loss = engine.micro_step(x, y, w.loss, accum, last=m == accum - 1)
-            engine.optimizer_step(lr_at(step, total, cfg["optimizer"], cfg["schedule"]))
+            engine.optimizer_step(lr_at(step, total, cfg.optimizer, cfg.schedule))
             step += 1
             if rank == 0:
                 with open(metrics, "a") as fh:

@@ -19,17 +19,17 @@ if os.environ.get("ORCHESTRATE_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 torch.distributed.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
 run = client.init()
-cfg = run.config
+cfg = run.config  # the task's typed config (orchestrator.contract.TaskConfig): cfg.steps, cfg.optimizer.lr
 
-torch.manual_seed(cfg["seed"])
+torch.manual_seed(cfg.seed)
 model = nn.Sequential(nn.Embedding(64, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["optimizer"]["lr"])
+optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
 engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=run.deepspeed_config)
 
 
 def batch(step: int, micro: int):
     """The data of (step, micro-batch, rank): a pure function, so resuming needs only the step."""
-    g = torch.Generator().manual_seed(hash((cfg["seed"], step, micro, run.rank)) % 2**31)
+    g = torch.Generator().manual_seed(hash((cfg.seed, step, micro, run.rank)) % 2**31)
     x = torch.randint(0, 64, (engine.train_micro_batch_size_per_gpu(),), generator=g)
     noise = torch.randint(0, 2, x.shape, generator=g)
     return x, (x * 7 + 3 + noise) % 64  # two likely answers: the loss can fall to ln 2
@@ -39,7 +39,7 @@ step = 0
 if (found := run.resume()) is not None:
     engine.load_checkpoint(str(found.folder / "deepspeed"), tag="state")
     step = found.step
-while step < cfg["steps"]:
+while step < cfg.steps:
     for micro in range(engine.gradient_accumulation_steps()):
         x, y = batch(step, micro)
         loss = F.cross_entropy(engine(x), y)
@@ -50,11 +50,11 @@ while step < cfg["steps"]:
     torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
     run.report(step, loss=mean.item())
     stop = run.should_stop()
-    if stop or step % cfg["checkpoint"]["every_steps"] == 0:
+    if stop or step % cfg.checkpoint.every_steps == 0:
         folder = run.begin_checkpoint(step)
         engine.save_checkpoint(str(folder / "deepspeed"), tag="state", save_latest=False)
         run.commit_checkpoint(step)
-    if stop and step < cfg["steps"]:
+    if stop and step < cfg.steps:
         run.exit_for_requeue(step)
 run.finish(step)
 if run.rank == 0:

@@ -90,7 +90,7 @@ def test_the_weights_equal_the_reference_tool_and_give_the_same_outputs(run, ind
     from train_entry.models import build_workload
 
     cfg = contract.read_json(contract.task_config_path(contract.task_dir(exp["run_dir"], index)))
-    a, b = build_workload(cfg).model, build_workload(cfg).model
+    a, b = build_workload(cfg["model"], cfg["data"]).model, build_workload(cfg["model"], cfg["data"]).model
     a.load_state_dict(mine)
     b.load_state_dict(ref)
     x = torch.randint(0, cfg["data"]["vocab_size"], (3, 32))

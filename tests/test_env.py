@@ -1,5 +1,8 @@
+import subprocess
+
 import pytest
 
+from orchestrator import contract
 from train_entry import env
 from train_entry.agent import launch_exit_code, worker_env
 
@@ -42,13 +45,19 @@ def test_rendezvous_falls_back_to_slurm_node_addr():
         env.rendezvous(ctx, resolve=unresolvable, node_addr=lambda n: None)
 
 
+def task_config(**sections) -> contract.TaskConfig:
+    return contract.TaskConfig.from_dict(
+        {"contract": contract.CONTRACT_VERSION, "experiment_id": "x", "index": 0, "steps": 1, "task_dir": "/runs/x/tasks/0", **sections}
+    )
+
+
 def test_worker_env_ranks():
-    cfg = {"resources": {"tasks_per_node": 2, "cpus_per_task": 3}, "env": {"MY_VAR": "1"}, "task_dir": "/runs/x/tasks/0"}
+    cfg = task_config(resources={"tasks_per_node": 2, "cpus_per_task": 3}, env={"MY_VAR": "1"})
     ctx = env.node_context(SLURM)
     e = worker_env({"PATH": "/bin", "SUBMITIT_X": "y"}, cfg, ctx, 1, "10.0.0.1", 29500, "4240_2.1")
     assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
     assert e["MASTER_ADDR"] == "10.0.0.1" and e["MASTER_PORT"] == "29500" and e["MY_VAR"] == "1"
-    assert e["ORCHESTRATE_TASK_DIR"] == "/runs/x/tasks/0"
+    assert e[contract.envvars.TASK_DIR] == "/runs/x/tasks/0"
     assert e["OMP_NUM_THREADS"] == "3" and "SUBMITIT_X" not in e
     rc = env.rank_context(e)
     assert rc.rank == 3 and rc.world_size == 4 and rc.launch == "4240_2.1"
@@ -58,3 +67,28 @@ def test_launch_exit_code_blames_the_first_failure():
     assert launch_exit_code({0: 0, 1: 0}, None) == 0
     assert launch_exit_code({0: 4, 1: 3}, 1) == 3  # rank 1 failed first with a user error
     assert launch_exit_code({0: -9, 1: 4}, 0) == 4  # killed by a signal: infrastructure
+
+
+def test_an_unreadable_or_foreign_task_config_ends_the_agent_as_infrastructure(tmp_path, capsys):
+    from train_entry.agent import node_main
+
+    assert node_main(str(tmp_path)) == contract.ExitCode.INFRA_ERROR  # no task.json
+    assert "cannot read" in capsys.readouterr().err
+    contract.atomic_write_json(contract.task_config_path(tmp_path), {"contract": contract.CONTRACT_VERSION + 1})
+    assert node_main(str(tmp_path)) == contract.ExitCode.INFRA_ERROR
+    assert "contract version" in capsys.readouterr().err
+
+
+def test_the_requeue_decision_names_its_cause_in_a_field():
+    from train_entry.agent.requeue import requeue_decision
+
+    def scontrol(preempt_time):
+        return lambda argv, **kw: subprocess.CompletedProcess(argv, 0, f"JobId=4242 PreemptTime={preempt_time} Reason=None", "")
+
+    ctx = env.node_context(SLURM)  # its second launch (restart count 1)
+    assert requeue_decision(ctx, task_config(), scontrol("2025-01-01T10:00:00")) == {
+        "by": "agent", "cause": contract.RequeueCause.PREEMPTION.value, "reason": "preempted"}
+    assert requeue_decision(ctx, task_config(), scontrol("None")) == {
+        "by": "agent", "cause": contract.RequeueCause.TIME_LIMIT.value, "reason": "time limit signal"}
+    assert requeue_decision(ctx, task_config(retry={"max_requeues": 1}), scontrol("Unknown")) == {
+        "by": None, "cause": contract.RequeueCause.TIME_LIMIT.value, "reason": "requeue limit reached (1)"}

@@ -3,7 +3,7 @@
 Saving is collective: every rank writes its shards into ``.tmp-step-N`` (DCP for
 DDP and FSDP2, DeepSpeed's own format for ZeRO), plus its RNG states; the ranks
 then hash the files between them, and rank 0 writes the manifest last and renames
-the folder to ``step-N`` (``orchestrator.protocol``). A save killed halfway leaves
+the folder to ``step-N`` (``contract.checkpoint``). A save killed halfway leaves
 a ``.tmp-`` folder that discovery never looks at.
 
 What a checkpoint holds: model and optimizer (the engine's shards), the step (the
@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,6 @@ from torch import distributed as dist
 from orchestrator import contract
 
 RNG_DIR = "rng"
-# benchmarks and tests: every save takes this much longer, as on a slow shared filesystem
-SLOW_SAVE_ENV = "ORCHESTRATE_FAULT_SLOW_SAVE_S"
 
 
 @dataclass
@@ -51,22 +48,6 @@ class Resume:
             timing = "" if self.load_s is None else f": loaded in {self.load_s:.2f} s, {self.startup_s:.1f} s after the process started"
             hb.event("checkpoint.resumed", f"resumed from step {self.step} ({self.folder}, world size {self.world_size}){timing}",
                      step=self.step, load_s=self.load_s, startup_s=self.startup_s)
-
-
-class CheckpointSignal:
-    """The checkpoint signal (preemption, time limit) only sets a flag; the loop acts on it."""
-
-    def __init__(self, name: str):
-        self.raised = False
-        self.signum = getattr(signal, f"SIG{name}")
-        signal.signal(self.signum, self._set)
-
-    def _set(self, _signum, _frame) -> None:
-        self.raised = True
-
-    def ignore(self) -> None:
-        """Done, or saved and leaving: a late signal must not kill the process."""
-        signal.signal(self.signum, signal.SIG_IGN)
 
 
 def _rng_state() -> dict:
@@ -105,12 +86,12 @@ def _gather(obj):
 
 
 class Checkpointer:
-    def __init__(self, cfg: dict, task_dir: str | Path, rank: int, world: int, engine=None):
-        self.cfg = cfg["checkpoint"]
-        self.task_dir = Path(task_dir)
+    def __init__(self, cfg: contract.TaskConfig, rank: int, world: int, engine=None):
+        self.cfg = cfg.checkpoint
+        self.task_dir = cfg.dir
         self.rank, self.world = rank, world
         self.engine = engine
-        self.engine_kind = cfg["engine"]["kind"]
+        self.engine_kind = cfg.engine["kind"]
         self.last_save_time = time.time()
         self.pending = None  # an async save: (step, tmp, future, blocked_s, started)
         self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
@@ -119,13 +100,13 @@ class Checkpointer:
 
     def due_by_step(self, step: int, total: int) -> bool:
         """Every rank counts the same steps: no agreement needed."""
-        every = self.cfg["every_steps"]
+        every = self.cfg.every_steps
         # at the end the run is over; its weights are what the last checkpoint is for
         return bool(every) and step < total and step % every == 0
 
     def due_by_time(self) -> bool:
         """Clocks differ between ranks: the loop acts on this once the ranks have agreed."""
-        minutes = self.cfg["every_minutes"]
+        minutes = self.cfg.every_minutes
         return bool(minutes) and time.time() - self.last_save_time >= minutes * 60
 
     def begin(self, step: int) -> Path:
@@ -145,8 +126,8 @@ class Checkpointer:
         self.finish_pending()
         t0 = time.perf_counter()
         tmp = self.begin(step)
-        future = self.engine.save_state(tmp, asynchronous=self.cfg.get("async_save", False) and not final)
-        time.sleep(float(os.environ.get(SLOW_SAVE_ENV) or 0))
+        future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
+        time.sleep(float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0))  # benchmarks: a slow filesystem
         blocked = time.perf_counter() - t0
         self.last_save_time = time.time()
         if future is not None:
@@ -202,7 +183,7 @@ class Checkpointer:
         return {"step": step, "blocked_s": blocked, "total_s": time.perf_counter() - t0, "folder": str(final or "")}
 
     def _retain(self) -> None:
-        keep = self.cfg["keep_last"]
+        keep = self.cfg.keep_last
         for _, folder in contract.committed_checkpoints(self.task_dir)[keep:]:
             contract.discard_checkpoint(folder)
 
@@ -214,8 +195,8 @@ class Checkpointer:
         cleaned = contract.remove_leftovers(self.task_dir) if self.rank == 0 else []
         dist.barrier()
         candidates = [folder for _, folder in contract.committed_checkpoints(self.task_dir)]
-        if not candidates and self.cfg.get("resume_from"):
-            start = Path(self.cfg["resume_from"])
+        if not candidates and self.cfg.resume_from:
+            start = Path(self.cfg.resume_from)
             if (start / contract.MANIFEST).exists():
                 candidates = [start]
             else:  # a checkpoints folder (or a task folder): its committed checkpoints, newest first
@@ -232,7 +213,7 @@ class Checkpointer:
 
     def _verify(self, folder: Path) -> str | None:
         problem = contract.verify_checkpoint(folder, deep=False) if self.rank == 0 else None
-        if problem is None and self.cfg.get("verify", "sha256") == "sha256":
+        if problem is None and self.cfg.verify == "sha256":
             manifest = contract.read_json(folder / contract.MANIFEST) or {"files": {}}
             names = sorted(manifest["files"])
             bad = [

@@ -10,7 +10,7 @@ MASTER_PORT). Inside it::
     resume = run.resume()               # the newest committed checkpoint that verifies, or None
     if resume:
         step = resume.step              # and load your state from resume.folder
-    while step < run.config["steps"]:
+    while step < run.config.steps:      # run.config: the task's TaskConfig
         ...                             # one optimizer step
         step += 1
         run.report(step, loss=loss)     # heartbeat, and the metric (rank 0)
@@ -30,13 +30,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from orchestrator import contract
 from orchestrator.contract import ExitCode
 
-from train_entry.checkpoint import Checkpointer, CheckpointSignal, Resume
-from train_entry.env import rank_context
-from train_entry.heartbeat import Heartbeat, enable_stack_dumps
+from train_entry.checkpoint import Checkpointer, Resume
+from train_entry.config import thaw
+from train_entry.session import RankSession
 
 
 class Run:
@@ -45,20 +46,20 @@ class Run:
 
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group (or deepspeed.init_distributed) first")
-        self.task_dir = Path(task_dir)
-        self.config = contract.read_json(contract.task_config_path(self.task_dir))
-        self.ctx = rank_context(os.environ)
+        self._session = RankSession(task_dir)
+        self.task_dir = self._session.task_dir
+        self.config: contract.TaskConfig = self._session.cfg  # typed and read-only: run.config.steps, run.config.optimizer.lr
+        self.ctx = self._session.ctx
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._hb = Heartbeat(self.task_dir, self.ctx, self.config["heartbeat"]["interval_s"])
-        enable_stack_dumps(self.task_dir, self.ctx)
-        self._ckpt = Checkpointer(self.config, self.task_dir, self.rank, self.world_size)
-        self._signal = CheckpointSignal(self.config["checkpoint"]["signal"])
-        self._hb.beat(0, "init", force=True)
+        self._hb = self._session.hb
+        self._ckpt = Checkpointer(self.config, self.rank, self.world_size)
 
     @property
-    def deepspeed_config(self) -> dict | None:
-        """The DeepSpeed config orchestrate rendered from the spec (engine kind deepspeed)."""
-        return self.config.get("deepspeed_config")
+    def deepspeed_config(self) -> dict[str, Any] | None:
+        """The DeepSpeed config orchestrate rendered from the spec (engine kind deepspeed), as
+        a dict of your own (DeepSpeed changes the config it is given)."""
+        ds = self.config.deepspeed_config
+        return None if ds is None else thaw(ds)
 
     def report(self, step: int, loss: float | None = None, lr: float | None = None, throughput: float | None = None) -> None:
         """A heartbeat from this rank; with ``loss``, a metric row (rank 0 writes it)."""
@@ -73,7 +74,7 @@ class Run:
 
         # a group of nccl alone reduces device tensors only
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([int(self._signal.raised)], dtype=torch.int32, device=device)
+        flag = torch.tensor([int(self._session.signal.raised)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -97,12 +98,11 @@ class Run:
 
     def finish(self, step: int) -> None:
         """The run is complete: a late checkpoint signal is ignored from now on."""
-        self._hb.beat(step, "done", force=True)
-        self._signal.ignore()
+        self._session.finish(step)
 
     def exit_for_requeue(self, step: int | None = None) -> None:
         """Leave with the requeue code: the agent (or SLURM) puts the task back in the queue."""
-        self._hb.beat(step if step is not None else self._hb.step, "requeue", force=True)
+        self._session.leave_for_requeue(step if step is not None else self._hb.step)
         import torch.distributed as dist
 
         dist.destroy_process_group()
@@ -110,8 +110,8 @@ class Run:
 
 
 def init() -> Run:
-    """The run this process belongs to (the agent sets ORCHESTRATE_TASK_DIR)."""
-    task_dir = os.environ.get("ORCHESTRATE_TASK_DIR")
+    """The run this process belongs to (the agent sets its task folder in the environment)."""
+    task_dir = os.environ.get(contract.envvars.TASK_DIR)
     if not task_dir:
-        raise RuntimeError("ORCHESTRATE_TASK_DIR is not set: run this script through an orchestrate spec (model.kind: script)")
+        raise RuntimeError(f"{contract.envvars.TASK_DIR} is not set: run this script through an orchestrate spec (model.kind: script)")
     return Run(task_dir)

@@ -1,7 +1,7 @@
 """Where this process sits in the job: pure functions of the environment.
 
 Two levels. The node agent reads the scheduler's variables (SLURM's, or the local
-executor's ORCHESTRATE_* stand-ins) to learn its node and the rendezvous point.
+executor's stand-ins, ``contract.envvars``) to learn its node and the rendezvous point.
 Each training process then reads the torchrun-compatible variables the agent sets
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from orchestrator.contract import derive_port, expand_hostlist
+from orchestrator.contract import derive_port, envvars, expand_hostlist
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ def node_context(env: Mapping[str, str]) -> NodeContext:
         )
     name = socket.gethostname()
     return NodeContext(
-        job_id=env.get("ORCHESTRATE_JOB_ID", "local"),
-        restart_count=int(env.get("ORCHESTRATE_RESTART_COUNT", "0")),
+        job_id=env.get(envvars.JOB_ID, "local"),
+        restart_count=int(env.get(envvars.RESTART_COUNT, "0")),
         node_rank=0,
         nnodes=1,
         nodes=(name,),
@@ -117,7 +117,7 @@ def rank_context(env: Mapping[str, str]) -> RankContext:
         world_size=int(env.get("WORLD_SIZE", "1")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
         node_rank=int(env.get("NODE_RANK", "0")),
-        node_name=env.get("ORCHESTRATE_NODE", socket.gethostname()),
-        launch=env.get("ORCHESTRATE_LAUNCH", "manual.0"),
-        generation=int(env.get("ORCHESTRATE_GENERATION", "0")),
+        node_name=env.get(envvars.NODE, socket.gethostname()),
+        launch=env.get(envvars.LAUNCH, "manual.0"),
+        generation=int(env.get(envvars.GENERATION, "0")),
     )

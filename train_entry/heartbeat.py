@@ -76,7 +76,7 @@ def enable_stack_dumps(task_dir: str | Path, ctx: RankContext) -> None:
     training thread is blocked in a collective or in C code: the case that matters."""
     import faulthandler
 
-    path = contract.stacks_path(contract.launches_dir(task_dir) / ctx.launch, ctx.generation, ctx.rank)
+    path = contract.stacks_path(contract.launch_dir(task_dir, ctx.launch), ctx.generation, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a", encoding="utf-8")  # kept open for the life of the process
     faulthandler.register(contract.dump_signal(), file=fh, all_threads=True, chain=False)

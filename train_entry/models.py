@@ -10,16 +10,15 @@ import importlib
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-
-class UserCodeError(Exception):
-    """The user's entry point is missing, raised, or returned the wrong thing."""
+from train_entry.config import thaw
+from train_entry.errors import UserCodeError, call_users, users
 
 
 @dataclass
@@ -124,11 +123,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- building
 
 
-def build_workload(cfg: dict) -> Workload:
-    """The model, data and loss named by a resolved task spec."""
-    mcfg, dcfg = cfg["model"], cfg["data"]
+def build_workload(mcfg: Mapping[str, Any], dcfg: Mapping[str, Any]) -> Workload:
+    """The model, data and loss named by a task's ``model`` and ``data`` sections."""
     if mcfg["kind"] == "entrypoint":
-        return _entrypoint(mcfg["entrypoint"], mcfg.get("kwargs", {}))
+        return _entrypoint(mcfg["entrypoint"], thaw(mcfg["kwargs"]))
     if dcfg["kind"] == "text":
         try:
             with open(dcfg["path"], "rb") as fh:
@@ -144,13 +142,52 @@ def build_workload(cfg: dict) -> Workload:
     return Workload(model, dataset, lm_loss, tokens_per_sample=mcfg["seq_len"])
 
 
+# ---------------------------------------------------------------- the user's entry point
+# Every call into the user's code goes through ``errors.users``: what it raises is theirs,
+# what the trainer around it raises is ours (see ``errors``).
+
+
 def _entrypoint(ref: str, kwargs: dict) -> Workload:
     module_name, _, fn_name = ref.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
+        fn = getattr(call_users(importlib.import_module, module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise UserCodeError(f"model.entrypoint: cannot load '{ref}': {exc}") from None
-    out = fn(**kwargs)
+    out = call_users(fn, **kwargs)
     if not isinstance(out, dict) or not {"model", "dataset", "loss"} <= set(out):
         raise UserCodeError(f"model.entrypoint '{ref}' must return a dict with model, dataset and loss")
-    return Workload(out["model"], out["dataset"], out["loss"], int(out.get("tokens_per_sample", 1)))
+    try:
+        tokens_per_sample = int(out.get("tokens_per_sample", 1))
+    except (TypeError, ValueError):
+        raise UserCodeError(f"model.entrypoint '{ref}': tokens_per_sample must be an integer") from None
+    model = out["model"]
+    if not isinstance(model, nn.Module):
+        raise UserCodeError(f"model.entrypoint '{ref}': model must be a torch.nn.Module, not {type(model).__name__}")
+    # an instance attribute, so state dict keys stay as the user's (no wrapping module)
+    model.forward = users(model.forward)
+    return Workload(model, UsersDataset(out["dataset"]), _users_loss(out["loss"], ref), tokens_per_sample)
+
+
+class UsersDataset:
+    """The user's dataset, as the sampler uses it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return call_users(len, self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        return call_users(self.inner.__getitem__, i)
+
+
+def _users_loss(fn: Callable, ref: str) -> Callable:
+    def loss(output: Any, target: Any) -> torch.Tensor:
+        value = call_users(fn, output, target)
+        # what backward needs: else the engine would raise, and the user's mistake look like ours
+        if not (torch.is_tensor(value) and value.numel() == 1):
+            what = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+            raise UserCodeError(f"the loss of model.entrypoint '{ref}' must return a one-element tensor, not {what}")
+        return value
+
+    return loss

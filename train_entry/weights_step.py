@@ -25,41 +25,70 @@ from train_entry.consolidate import RECORD
 TERM_GRACE_S = 10.0
 
 
-def run(cfg: dict, tdir: Path, launch: str, generation: int, signals: list[int]) -> int:
-    opts = cfg["checkpoint"]["consolidate"]
+class _Step:
+    """The events and the error record of one run of the step."""
 
-    def event(kind: str, cause: str, **extra) -> None:
-        contract.append_jsonl(contract.events_path(tdir), {"event": kind, "cause": cause, "launch": launch,
-                                                           "generation": generation, "time": time.time(), **extra})
+    def __init__(self, tdir: Path, launch: str, generation: int):
+        self.tdir, self.launch, self.generation = tdir, launch, generation
 
-    def failed(why: str) -> int:
-        event("weights.failed", why)
+    def event(self, kind: str, cause: str, **extra) -> None:
+        contract.append_jsonl(contract.events_path(self.tdir), {"event": kind, "cause": cause, "launch": self.launch,
+                                                                "generation": self.generation, "time": time.time(), **extra})
+
+    def failed(self, why: str) -> int:
+        self.event("weights.failed", why)
         contract.atomic_write_json(
-            contract.step_error_path(tdir, launch, "consolidate"),
+            contract.step_error_path(self.tdir, self.launch, "consolidate"),
             {"where": "the consolidation step", "exit_code": int(ExitCode.USER_ERROR), "type": "ConsolidationFailed",
-             "message": why, "generation": generation, "time": time.time()},
+             "message": why, "generation": self.generation, "time": time.time()},
         )
         return ExitCode.USER_ERROR
 
+
+def run(cfg: contract.TaskConfig, tdir: Path, launch: str, generation: int, signals: list[int]) -> int:
+    opts = cfg.checkpoint.consolidate
+    rec = _Step(tdir, launch, generation)
     out = contract.weights_dir(tdir)
     found = contract.committed_checkpoints(tdir)
     if not found:  # the built-in loop always saves its last step; a script may not have saved at all
-        return failed("no committed checkpoint to consolidate")
+        return rec.failed("no committed checkpoint to consolidate")
     step, folder = found[0]
     done = contract.read_json(out / RECORD)
     if done and done.get("source") == str(folder.resolve()):
-        event("weights.consolidated", f"{out} already holds the weights of step {step}", folder=str(out))
+        rec.event("weights.consolidated", f"{out} already holds the weights of step {step}", folder=str(out))
         return ExitCode.OK
-    tmp = tdir / f".weights-{launch}"
+    tmp = contract.weights_tmp_dir(tdir, launch)
     shutil.rmtree(tmp, ignore_errors=True)
-    argv = [sys.executable, "-m", "train_entry.consolidate", str(folder), "--out", str(tmp), "--dtype", opts["dtype"],
-            "--format", opts["format"], "--max-shard-bytes", str(opts["max_shard_bytes"])]
-    event("weights.consolidating", f"step {step} ({folder.name}) into {out}: {opts['dtype']} {opts['format']}")
-    log = tdir / "logs" / "consolidate.log"
+    argv = [sys.executable, "-m", "train_entry.consolidate", str(folder), "--out", str(tmp), "--dtype", opts.dtype,
+            "--format", opts.format, "--max-shard-bytes", str(opts.max_shard_bytes)]
+    rec.event("weights.consolidating", f"step {step} ({folder.name}) into {out}: {opts.dtype} {opts.format}")
+    log = contract.consolidate_log_path(tdir)
     log.parent.mkdir(parents=True, exist_ok=True)
-    timeout = opts["timeout_min"] * 60
+    ended = _supervise(argv, tdir, log, opts.timeout_min * 60, signals)
+    if ended != "exited":
+        shutil.rmtree(tmp, ignore_errors=True)
+        if ended == "stopped":
+            rec.event("weights.failed", "the consolidation was stopped by a signal; the next launch does it again")
+            return ExitCode.CANCELLED
+        if ended == "timeout":
+            return rec.failed(f"the consolidation took longer than checkpoint.consolidate.timeout_min ({opts.timeout_min} min); see {log}")
+        return rec.failed(f"{_last_error(log)} ({ended}; see {log})")
+    summary = contract.read_json(tmp / RECORD) or {}
+    if out.exists():  # weights of an older checkpoint: replaced only once the new ones are whole
+        old = contract.weights_tmp_dir(tdir, launch, old=True)
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(out)
+    rec.event("weights.consolidated", f"step {step} -> {out}: {summary.get('tensors')} tensors, {summary.get('bytes', 0) / 1e6:,.1f} MB "
+                f"{opts.dtype} in {len(summary.get('files', []))} file(s)", folder=str(out), bytes=summary.get("bytes"))
+    return ExitCode.OK
+
+
+def _supervise(argv: list[str], cwd: Path, log: Path, timeout: float, signals: list[int]) -> str:
+    """Run the consolidation; ``exited`` (0), ``exit N``, ``stopped`` (a signal to the agent) or ``timeout``."""
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, cwd=str(tdir))
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, cwd=str(cwd))
         deadline = time.monotonic() + timeout
         while proc.poll() is None:
             stop = any(s in (signal.SIGTERM, signal.SIGINT) for s in signals)
@@ -70,25 +99,9 @@ def run(cfg: dict, tdir: Path, launch: str, generation: int, signals: list[int])
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-                shutil.rmtree(tmp, ignore_errors=True)
-                if stop:
-                    event("weights.failed", "the consolidation was stopped by a signal; the next launch does it again")
-                    return ExitCode.CANCELLED
-                return failed(f"the consolidation took longer than checkpoint.consolidate.timeout_min ({opts['timeout_min']} min); see {log}")
+                return "stopped" if stop else "timeout"
             time.sleep(0.5)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return failed(f"{_last_error(log)} (exit {proc.returncode}; see {log})")
-    summary = contract.read_json(tmp / RECORD) or {}
-    if out.exists():  # weights of an older checkpoint: replaced only once the new ones are whole
-        old = tdir / f".weights-old-{launch}"
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
-    tmp.rename(out)
-    event("weights.consolidated", f"step {step} -> {out}: {summary.get('tensors')} tensors, {summary.get('bytes', 0) / 1e6:,.1f} MB "
-          f"{opts['dtype']} in {len(summary.get('files', []))} file(s)", folder=str(out), bytes=summary.get("bytes"))
-    return ExitCode.OK
+    return "exited" if proc.returncode == 0 else f"exit {proc.returncode}"
 
 
 def _last_error(log: Path) -> str:

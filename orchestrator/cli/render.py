@@ -1,4 +1,5 @@
-"""Ledger rows -> what users read: the status document, tables, event lines (pure)."""
+"""Ledger rows -> what users read: the status document (read from the ledger, at a
+given time), and tables and event lines (pure functions of that document and rows)."""
 
 from __future__ import annotations
 

@@ -85,6 +85,17 @@ def weights_dir(tdir: PathLike) -> Path:
     return Path(tdir) / "weights"
 
 
+def weights_tmp_dir(tdir: PathLike, launch: str, old: bool = False) -> Path:
+    """Where a launch writes new weights before renaming them to ``weights/`` (``old``:
+    where the previous ones wait until the rename is done); hidden, so never taken for done."""
+    return Path(tdir) / (f".weights-old-{launch}" if old else f".weights-{launch}")
+
+
+def consolidate_log_path(tdir: PathLike) -> Path:
+    """The output of the job's consolidation step, all launches."""
+    return Path(tdir) / "logs" / "consolidate.log"
+
+
 def cancel_flag_path(tdir: PathLike) -> Path:
     return Path(tdir) / "cancel"
 

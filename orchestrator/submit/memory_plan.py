@@ -282,7 +282,7 @@ def shape_of(spec) -> Shape:
     from train_entry.engines.base import layer_units
     from train_entry.models import build_workload
 
-    model = build_workload({"model": m.model_dump(), "data": spec.data.model_dump()}).model
+    model = build_workload(m.model_dump(), spec.data.model_dump()).model
     total = sum(p.numel() for p in model.parameters())
     leaves = [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules()]
     units = [sum(p.numel() for p in u.parameters()) for u in layer_units(model)]

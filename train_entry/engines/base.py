@@ -6,6 +6,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from orchestrator import contract
+
 
 class Engine:
     """The interface every engine implements."""
@@ -30,11 +32,11 @@ class Engine:
         raise NotImplementedError
 
 
-def make_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
+def make_optimizer(params, opt: contract.taskconfig.Optimizer) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]  # frozen weights (LoRA's base) have no state
-    if cfg["name"] == "sgd":
-        return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
-    return torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"])
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay)
 
 
 def set_lr(optimizer, lr: float) -> None:
@@ -130,10 +132,10 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def build_engine(cfg: dict, model: nn.Module, device: torch.device, resume=None) -> Engine:
-    kind = cfg["engine"]["kind"]
-    if cfg["engine"].get("activation_checkpointing"):
-        apply_activation_checkpointing(model, layer_units(model, cfg["engine"].get("wrap")))
+def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None) -> Engine:
+    kind = cfg.engine["kind"]
+    if cfg.engine["activation_checkpointing"]:
+        apply_activation_checkpointing(model, layer_units(model, cfg.engine.get("wrap")))  # wrap: fsdp's only
     if kind == "ddp":
         from train_entry.engines.ddp import DDPEngine
 

@@ -7,23 +7,25 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from orchestrator import contract
+
 from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, autocast, make_optimizer
 
 
 class DDPEngine(DCPState, TorchOptimizerStep, Engine):
-    def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
+    def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device):
         self.device = device
-        self.precision = cfg["engine"]["precision"]
+        self.precision = cfg.engine["precision"]
         model = model.to(device)
         ids = [device.index] if device.type == "cuda" else None
         self.model = DistributedDataParallel(
             model,
             device_ids=ids,
-            find_unused_parameters=cfg["engine"]["find_unused_parameters"],
+            find_unused_parameters=cfg.engine["find_unused_parameters"],
             gradient_as_bucket_view=True,  # no second copy of the gradients
         )
-        self.optimizer = make_optimizer(self.model.parameters(), cfg["optimizer"])
-        self.grad_clip = cfg["optimizer"]["grad_clip"]
+        self.optimizer = make_optimizer(self.model.parameters(), cfg.optimizer)
+        self.grad_clip = cfg.optimizer.grad_clip
 
     def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
         # skip the gradient all-reduce on all but the last micro-batch of a step

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from orchestrator import contract
+
+from train_entry.config import thaw
 from train_entry.engines.base import Engine, make_optimizer, set_lr
 
 
@@ -31,14 +34,14 @@ def _skip_unneeded_op_builds(device: torch.device) -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-def make_ds_optimizer(params, cfg: dict, on_gpu_with_offload: bool):
+def make_ds_optimizer(params, opt: contract.taskconfig.Optimizer, on_gpu_with_offload: bool):
     """torch's optimizer everywhere (no compiled op to wait for), except that
     offloading from a GPU wants DeepSpeed's CPU Adam for its speed."""
-    if on_gpu_with_offload and cfg["name"] == "adamw":
+    if on_gpu_with_offload and opt.name == "adamw":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"], adamw_mode=True)
-    return make_optimizer(params, cfg)
+        return DeepSpeedCPUAdam(params, lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay, adamw_mode=True)
+    return make_optimizer(params, opt)
 
 
 UNIVERSAL_TIMEOUT_S = 3600
@@ -48,15 +51,15 @@ TAG = "state"
 class DeepSpeedEngine(Engine):
     state_format = "deepspeed"
 
-    def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device, resume=None):
+    def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device, resume=None):
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _skip_unneeded_op_builds(device)
         import deepspeed
 
         self.device = device
-        ds_config = dict(cfg["deepspeed_config"])
-        self.task_dir = Path(cfg["task_dir"])
+        ds_config = thaw(cfg.deepspeed_config)  # a dict of its own: DeepSpeed changes what it is given
+        self.task_dir = cfg.dir
         self.stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         # another world size: DeepSpeed loads only its universal format, chosen at initialize
@@ -66,7 +69,7 @@ class DeepSpeedEngine(Engine):
         zero = ds_config.get("zero_optimization", {})
         offload = "offload_optimizer" in zero or "offload_param" in zero
         model = model.to(device)
-        optimizer = make_ds_optimizer([p for p in model.parameters() if p.requires_grad], cfg["optimizer"], device.type == "cuda" and offload)
+        optimizer = make_ds_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer, device.type == "cuda" and offload)
         self.model, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
         )
@@ -103,7 +106,7 @@ class DeepSpeedEngine(Engine):
         this task's checkpoints folder; a half-made conversion is never used)."""
         from torch import distributed as dist
 
-        out = self.task_dir / "checkpoints" / f".universal-{folder.name}-{hashlib.sha1(str(folder).encode()).hexdigest()[:8]}"
+        out = contract.checkpoints_dir(self.task_dir) / f".universal-{folder.name}-{hashlib.sha1(str(folder).encode()).hexdigest()[:8]}"
         if dist.get_rank() == 0 and not (out / TAG).is_dir():
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import distributed as dist
 
+from orchestrator import contract
+
 from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, layer_units, make_optimizer
 
 
@@ -23,12 +25,12 @@ def device_mesh(device: torch.device, sharding: str, per_node: int):
 
 
 class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
-    def __init__(self, cfg: dict, model: torch.nn.Module, device: torch.device):
+    def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        e = cfg["engine"]
+        e = cfg.engine
         self.device = device
-        mesh = device_mesh(device, e["sharding"], cfg["resources"]["tasks_per_node"])
+        mesh = device_mesh(device, e["sharding"], cfg.resources.tasks_per_node)
         kw = dict(
             mesh=mesh,
             reshard_after_forward=e["sharding"] != "shard_grad_op",
@@ -39,12 +41,12 @@ class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
         )
         if not e["cpu_offload"]:
             model = model.to(device)
-        for unit in layer_units(model, e.get("wrap")):
+        for unit in layer_units(model, e["wrap"]):
             fully_shard(unit, **kw)
         fully_shard(model, **kw)
         self.model = model
-        self.optimizer = make_optimizer(model.parameters(), cfg["optimizer"])
-        self.grad_clip = cfg["optimizer"]["grad_clip"]
+        self.optimizer = make_optimizer(model.parameters(), cfg.optimizer)
+        self.grad_clip = cfg.optimizer.grad_clip
 
     def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
         # reduce-scatter gradients only on the last micro-batch of a step

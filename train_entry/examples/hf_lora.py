@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train_entry.models import TokenChunks, UserCodeError, lm_loss, markov_corpus
+from train_entry.errors import UserCodeError
+from train_entry.models import TokenChunks, lm_loss, markov_corpus
 
 
 class LogitsOnly(nn.Module):

@@ -1,0 +1,61 @@
+"""After the ranks saved on the checkpoint signal (SLURM only): back into the queue."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator import contract
+from orchestrator.contract import ExitCode, RequeueCause
+
+from train_entry.agent.generation import Flags
+from train_entry.env import NodeContext, scontrol_field
+
+REQUEUE_WAIT_S = 60.0
+PREEMPT_WAIT_S = 900.0
+
+
+def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags, run=subprocess.run) -> int:
+    """The ranks saved on the checkpoint signal; put the job back in the queue.
+
+    Node 0 runs ``scontrol requeue`` as soon as every rank has saved, after a time-limit
+    signal and after a preemption alike: waiting for SLURM to requeue a preempted job
+    at the end of its grace time kept the nodes idle for all of it (bench/faults.py:
+    twice the time to the resumed step), and a job that exits on its own without the
+    requeue is just FAILED. SLURM's record then says REQUEUED; the ledger keeps the
+    cause. The other nodes wait for node 0's decision, so that srun does not stop it
+    halfway, and every agent stays until SLURM's SIGTERM.
+    """
+    record = contract.requeue_path(ldir)
+    if ctx.node_rank == 0:
+        decision = requeue_decision(ctx, cfg, run)
+        contract.atomic_write_json(record, {**decision, "time": time.time()})
+        if decision["by"] == "agent":
+            try:  # ends this job at once (the ranks are done) and queues it again
+                run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
+            except (OSError, subprocess.SubprocessError) as exc:
+                print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}", file=sys.stderr)
+    else:
+        deadline = time.time() + REQUEUE_WAIT_S
+        while not record.exists() and time.time() < deadline:
+            time.sleep(0.5)
+        decision = contract.read_json(record) or {}
+    if decision.get("by") in ("slurm", "agent"):
+        deadline = time.time() + PREEMPT_WAIT_S  # until SLURM's SIGTERM (grace time over, or the requeue)
+        while time.time() < deadline and not flags.stopping():
+            time.sleep(0.2)
+    return ExitCode.REQUEUE
+
+
+def requeue_decision(ctx: NodeContext, cfg: contract.TaskConfig, run=subprocess.run) -> dict:
+    """``by``: who requeues (None: nobody, the limit is reached); ``cause``: a
+    ``RequeueCause`` value, what the login side reads; ``reason``: words for people."""
+    # SLURM sets PreemptTime once a preemption began; else the signal came for the time limit
+    preempted = scontrol_field("job", ctx.job_id, "PreemptTime", run=run) not in (None, "None", "Unknown")
+    cause = RequeueCause.PREEMPTION if preempted else RequeueCause.TIME_LIMIT
+    limit = cfg.retry.max_requeues
+    if ctx.restart_count >= limit:
+        return {"by": None, "cause": cause.value, "reason": f"requeue limit reached ({limit})"}
+    return {"by": "agent", "cause": cause.value, "reason": "preempted" if preempted else "time limit signal"}

@@ -1,0 +1,59 @@
+"""What every rank sets up and how it leaves, whoever runs its loop: the built-in trainer
+(``worker``) or the user's own script (``client``).
+
+A rank reads the task config, learns its place from the agent's variables, beats its
+heartbeat, writes its stacks on the dump signal, and turns the checkpoint signal into a
+flag the loop polls. It ends done, or saved and asking to be requeued; either way a
+late checkpoint signal must no longer kill it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Mapping
+
+from orchestrator import contract
+
+from train_entry.env import rank_context
+from train_entry.heartbeat import Heartbeat, enable_stack_dumps
+
+
+class CheckpointSignal:
+    """The checkpoint signal (preemption, time limit) only sets a flag; the loop acts on it."""
+
+    def __init__(self, name: str):
+        self.raised = False
+        self.signum = getattr(signal, f"SIG{name}")
+        signal.signal(self.signum, self._set)
+
+    def _set(self, _signum, _frame) -> None:
+        self.raised = True
+
+    def ignore(self) -> None:
+        """Done, or saved and leaving: a late signal must not kill the process."""
+        signal.signal(self.signum, signal.SIG_IGN)
+
+
+class RankSession:
+    """Raises ``contract.TaskConfigError`` when task.json cannot be read."""
+
+    def __init__(self, task_dir: str | Path, env: Mapping[str, str] = os.environ):
+        self.task_dir = Path(task_dir)
+        self.cfg = contract.TaskConfig.load(self.task_dir)
+        self.ctx = rank_context(env)
+        self.hb = Heartbeat(self.task_dir, self.ctx, self.cfg.heartbeat.interval_s)
+        enable_stack_dumps(self.task_dir, self.ctx)
+        self.signal = CheckpointSignal(self.cfg.checkpoint.signal)
+        self.hb.beat(0, "init", force=True)
+
+    def finish(self, step: int) -> None:
+        """The run is complete."""
+        self.hb.beat(step, "done", force=True)
+        self.signal.ignore()
+
+    def leave_for_requeue(self, step: int) -> None:
+        """Saved on the checkpoint signal; the process exits with ExitCode.REQUEUE next."""
+        self.hb.beat(step, "requeue", force=True)
+        self.signal.ignore()
