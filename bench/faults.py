@@ -103,7 +103,7 @@ class Run:
 
 
 def cold_start(run: Run, launch: str) -> float:
-    start = contract.read_json(contract.launches_dir(run.tdir) / launch / "start.json")
+    start = contract.read_json(contract.start_path(contract.launch_dir(run.tdir, launch)))
     first = run.first_step(lambda m: m["launch"] == launch and m.get("generation", 0) == 0)
     return first["time"] - start["time"]
 
@@ -147,7 +147,7 @@ def recovery_trial(work: Path, n: int) -> tuple[dict, dict]:
         new = first2["launch"]
         detected = min(e["time"] for e in run.ledger_events()
                        if e["time"] >= t_down and e["kind"] == "attempt.state" and e["old_state"] == "RUNNING")
-        start = contract.read_json(contract.launches_dir(run.tdir) / new / "start.json")
+        start = contract.read_json(contract.start_path(contract.launch_dir(run.tdir, new)))
         res2 = resumed_event(run, new, 0)
         last2 = max(m["step"] for m in run.metrics() if m["launch"] == launch)
         lost2 = last2 - res2["step"]
@@ -210,7 +210,7 @@ def preemption_ours(work: Path, n: int) -> tuple[dict, Path]:
         t_p = preempt()
         first = run.wait(lambda: run.first_step(lambda m: m["launch"] != launch), "the requeued run's first step")
         res = resumed_event(run, first["launch"], 0)
-        start = contract.read_json(contract.launches_dir(run.tdir) / first["launch"] / "start.json")
+        start = contract.read_json(contract.start_path(contract.launch_dir(run.tdir, first["launch"])))
         last = max(m["step"] for m in run.metrics() if m["launch"] == launch)
         saved = [e["time"] for e in run.events() if e.get("event") == "checkpoint.committed" and e["time"] >= t_p]
         return ({"lost_steps": last - res["step"], "total": first["time"] - t_p, "saved": (saved[0] - t_p) if saved else None,

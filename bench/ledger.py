@@ -27,7 +27,7 @@ LIVE = 100  # tasks whose heartbeats are ingested each cycle
 def fill(home: Path, tasks: int) -> None:
     """``tasks`` finished tasks in experiments of 100 (history, as months of use leave it)."""
     from orchestrator.ledger import Ledger
-    from orchestrator.supervise.states import TaskState
+    from orchestrator.states import TaskState
 
     ledger = Ledger.open(home / "ledger.db")
     per = 100

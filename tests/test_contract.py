@@ -104,6 +104,12 @@ def test_task_config_round_trips_what_the_planner_writes(tmp_path):
     assert cfg.retry.max_restarts == 3 and cfg.batch.grad_accum == 1
     with pytest.raises(TaskConfigError, match="contract version"):
         TaskConfig.from_dict({**cfg.to_dict(), "contract": 99})
-    with pytest.raises(TaskConfigError, match="retry"):
-        TaskConfig.from_dict({**cfg.to_dict(), "retry": {"max_restarts": 1, "nonsense": 2}} | {"retry": 5})
+    with pytest.raises(TaskConfigError, match="retry: expected a mapping"):
+        TaskConfig.from_dict({**cfg.to_dict(), "retry": 5})
+    with pytest.raises(TaskConfigError, match="no field 'steps'"):
+        TaskConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "steps"})
+    # the spec holds more than the compute side reads (resources.partition...): taken as ours, the rest left
+    wider = TaskConfig.from_dict({**cfg.to_dict(), "resources": {"tasks_per_node": 4, "partition": "gpu"}, "workdir": "/x"})
+    assert wider.resources.tasks_per_node == 4 and not hasattr(wider.resources, "partition")
+    assert cfg["steps"] == 5 and cfg["retry"]["max_restarts"] == 3  # dict-style access, as the client API gave
 

@@ -7,7 +7,7 @@ from orchestrator.ledger import Ledger
 from orchestrator.contract import ExitCode
 from orchestrator.supervise.reconcile import decide
 from orchestrator.scheduler.base import Observation
-from orchestrator.supervise.states import AttemptState, TaskState
+from orchestrator.states import AttemptState, TaskState
 
 
 def make_task(tmp_path):

@@ -1,10 +1,10 @@
 
 import pytest
 
-from orchestrator.supervise import states
+from orchestrator import states
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.migrations import MIGRATIONS, current_version, migrate
-from orchestrator.supervise.states import AttemptState, TaskState
+from orchestrator.states import AttemptState, TaskState
 
 import sqlite_utils
 

@@ -22,8 +22,8 @@ from orchestrator.supervise.reconcile import (
     plan_refresh,
 )
 from orchestrator.supervise.refresh import apply_changes
-from orchestrator.supervise.states import AttemptState as A
-from orchestrator.supervise.states import TaskState as T
+from orchestrator.states import AttemptState as A
+from orchestrator.states import TaskState as T
 
 SLURM, LOCAL = SlurmScheduler.capabilities, LocalScheduler.capabilities
 NOW = 10_000.0
@@ -211,3 +211,52 @@ def test_the_changes_apply_to_a_strict_ledger_in_order(tmp_path):
     assert not [c for c in again if isinstance(c, (UpdateAttempt, AddAttempt))]
     apply_changes(ledger, "e", 0, str(tmp_path), again)
     assert len(ledger.events("e")) == events
+
+
+def test_an_attempt_the_scheduler_called_lost_may_still_complete(tmp_path):
+    ledger = _ledger_with_task()
+    apply_changes(ledger, "e", 0, str(tmp_path), plan_refresh(ledger.attempts("e", 0)[-1], [launch()], None, LOCAL, NOW))
+    lost = plan_refresh(ledger.attempts("e", 0)[-1], [launch()], Observation("5_0", A.LOST, reason="driver gone"), LOCAL, NOW)
+    apply_changes(ledger, "e", 0, str(tmp_path), lost)
+    assert (ledger.attempts("e", 0)[-1]["state"], ledger.task("e", 0)["state"]) == ("LOST", "RECOVERING")
+    # the orphaned agent finished after all: exit 0 wins over LOST
+    done = plan_refresh(ledger.attempts("e", 0)[-1], [launch(codes=[0])], None, LOCAL, NOW)
+    apply_changes(ledger, "e", 0, str(tmp_path), done)
+    assert (ledger.attempts("e", 0)[-1]["state"], ledger.task("e", 0)["state"]) == ("COMPLETED", "COMPLETED")
+
+
+def test_a_change_the_ledger_refuses_ends_the_tasks_list(tmp_path):
+    ledger = Ledger.memory(strict=False)
+    ledger.create_experiment({"id": "e", "name": "n", "executor": "local", "spec_path": "s", "run_dir": "r", "spec": "{}"}, [{"idx": 0, "params": {}, "task_dir": "t"}])
+    n = ledger.add_attempt("e", 0, "5_0", "submitted")
+    ledger.update_attempt("e", 0, n, "done", state="COMPLETED")
+    stale = [UpdateAttempt(n, {"state": "RUNNING"}, "stale"), SetTaskState(T.RUNNING, "stale")]
+    apply_changes(ledger, "e", 0, str(tmp_path), stale)
+    assert ledger.task("e", 0)["state"] == "PENDING"  # planned on top of the refused change: not applied
+    assert [e["kind"] for e in ledger.events("e")][-1] == "ledger.illegal_transition"
+
+
+class _Fake:
+    def __init__(self, caps, answer):
+        self.capabilities, self.answer = caps, answer
+
+    def poll(self, refs):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return {r.job_id: self.answer for r in refs}
+
+
+def test_a_scheduler_that_does_not_answer_does_not_hide_what_the_others_said(tmp_path):
+    from orchestrator.errors import SchedulerError
+    from orchestrator.supervise.refresh import refresh
+
+    ledger = Ledger.memory(strict=True)
+    for exp, executor, job in (("a", "slurm", "5_0"), ("b", "local", "9_0")):
+        ledger.create_experiment({"id": exp, "name": exp, "executor": executor, "spec_path": "s", "run_dir": str(tmp_path), "spec": "{}"},
+                                 [{"idx": 0, "params": {}, "task_dir": str(tmp_path / exp)}])
+        ledger.add_attempt(exp, 0, job, "submitted")
+    errors = []
+    schedulers = {"slurm": _Fake(SLURM, SchedulerError("slurmdbd down")), "local": _Fake(LOCAL, Observation("9_0", A.RUNNING))}
+    assert refresh(ledger, ledger.find_experiments(), schedulers, errors) is None  # not every scheduler answered
+    assert ledger.task("b", 0)["state"] == "RUNNING" and ledger.task("a", 0)["state"] == "PENDING"
+    assert errors == ["slurm: slurmdbd down"]

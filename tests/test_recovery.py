@@ -93,7 +93,7 @@ def test_infrastructure_failures_are_recovered_with_backoff_and_failed_nodes_exc
 
 
 def test_user_errors_cancellations_and_saved_requeues_are_not_recovered_and_the_limit_holds():
-    for f in ("user_error", "oom", "cancelled"):
+    for f in ("user_error", "oom", "cancelled", "internal"):
         assert plan_recovery(failed(f), RETRY, 0, SLURM, False, {}).kind == "none"
     assert plan_recovery(failed("preemption", "REQUEUED"), RETRY, 0, SLURM, False, {}).kind == "none"
     assert plan_recovery({"state": "RUNNING", "failure": None}, RETRY, 0, SLURM, False, {}).kind == "none"

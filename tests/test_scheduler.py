@@ -90,3 +90,23 @@ def test_node_states_and_cancel_go_through_the_runner(tmp_path):
     assert runner.calls[-1] == ["scancel", "7_0", "7_1"]
     sched.cancel([])
     assert runner.calls[-1][0] == "scancel" and len(runner.calls) == 2  # nothing to cancel: no call
+
+
+def test_the_cli_offers_every_executor():
+    from orchestrator.cli.parser import build_parser
+    from orchestrator.scheduler import EXECUTORS
+
+    submit = build_parser()._subparsers._group_actions[0].choices["submit"]
+    (executor,) = [a for a in submit._actions if a.dest == "executor"]
+    assert sorted(executor.choices) == sorted(EXECUTORS)
+
+
+def test_a_dry_run_shows_what_each_scheduler_adds(tmp_path, monkeypatch):
+    from orchestrator.submit.submission import make_plan
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: p\nsteps: 2\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here: not checked, still rendered
+    slurm = get_scheduler("slurm").preview(make_plan(str(spec), [], "slurm", tmp_path))
+    assert slurm["sbatch_script"].startswith("#!/bin/bash") and slurm["slurm_check"].startswith("not checked")
+    assert get_scheduler("local").preview(make_plan(str(spec), [], "local", tmp_path)) == {}

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.scheduler.slurm_parse import history, observe, parse_job_id, parse_sacct, parse_squeue, translate_state
-from orchestrator.supervise.states import AttemptState as A
+from orchestrator.states import AttemptState as A
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,1 +1,2 @@
-"""Compute-node side: node agent, training processes, engines. Imports only orchestrator.protocol from orchestrator."""
+"""Compute-node side: node agent, training processes, engines, consolidation. Imports
+nothing from orchestrator but the standard-library contract, ``orchestrator.contract``."""

@@ -36,7 +36,7 @@ from orchestrator import contract
 from orchestrator.contract import ExitCode
 
 from train_entry.checkpoint import Checkpointer, Resume
-from train_entry.config import thaw
+from orchestrator.contract import thaw
 from train_entry.session import RankSession
 
 
@@ -63,7 +63,7 @@ class Run:
 
     def report(self, step: int, loss: float | None = None, lr: float | None = None, throughput: float | None = None) -> None:
         """A heartbeat from this rank; with ``loss``, a metric row (rank 0 writes it)."""
-        self._hb.beat(step, "train", force=loss is not None)
+        self._hb.beat(step, contract.Phase.TRAIN, force=loss is not None)
         if loss is not None:
             self._hb.metric(step, float(loss), lr, throughput)
 
@@ -87,7 +87,7 @@ class Run:
 
     def begin_checkpoint(self, step: int) -> Path:
         """Collective: an empty folder to save step ``step`` into; not a checkpoint until committed."""
-        self._hb.beat(step, "saving", force=True)
+        self._hb.beat(step, contract.Phase.SAVING, force=True)
         return self._ckpt.begin(step)
 
     def commit_checkpoint(self, step: int) -> Path:

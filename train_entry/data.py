@@ -32,5 +32,6 @@ class Sampler:
         return out
 
     def batch(self, dataset, step: int, micro: int, device: torch.device):
-        items = default_collate([dataset[i] for i in self.indices(step, micro)])
+        collate = getattr(dataset, "collate", default_collate)  # the user's data collates as theirs
+        items = collate([dataset[i] for i in self.indices(step, micro)])
         return tuple(t.to(device, non_blocking=True) if torch.is_tensor(t) else t for t in items)

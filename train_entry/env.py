@@ -1,4 +1,5 @@
-"""Where this process sits in the job: pure functions of the environment.
+"""Where this process sits in the job: the environment read into contexts (pure), and the
+rendezvous address (which may resolve a node name or ask scontrol for it).
 
 Two levels. The node agent reads the scheduler's variables (SLURM's, or the local
 executor's stand-ins, ``contract.envvars``) to learn its node and the rendezvous point.

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from train_entry.config import thaw
+from orchestrator.contract import thaw
 from train_entry.errors import UserCodeError, call_users, users
 
 
@@ -179,6 +179,15 @@ class UsersDataset:
 
     def __getitem__(self, i: int) -> Any:
         return call_users(self.inner.__getitem__, i)
+
+    def collate(self, items: list) -> Any:
+        """Stack the user's items into a batch: what cannot be stacked is the items' fault."""
+        from torch.utils.data import default_collate
+
+        batch = call_users(default_collate, items)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise UserCodeError("the dataset of model.entrypoint must give (inputs, targets) pairs")
+        return batch
 
 
 def _users_loss(fn: Callable, ref: str) -> Callable:

@@ -46,14 +46,14 @@ class RankSession:
         self.hb = Heartbeat(self.task_dir, self.ctx, self.cfg.heartbeat.interval_s)
         enable_stack_dumps(self.task_dir, self.ctx)
         self.signal = CheckpointSignal(self.cfg.checkpoint.signal)
-        self.hb.beat(0, "init", force=True)
+        self.hb.beat(0, contract.Phase.INIT, force=True)
 
     def finish(self, step: int) -> None:
         """The run is complete."""
-        self.hb.beat(step, "done", force=True)
+        self.hb.beat(step, contract.Phase.DONE, force=True)
         self.signal.ignore()
 
     def leave_for_requeue(self, step: int) -> None:
         """Saved on the checkpoint signal; the process exits with ExitCode.REQUEUE next."""
-        self.hb.beat(step, "requeue", force=True)
+        self.hb.beat(step, contract.Phase.REQUEUE, force=True)
         self.signal.ignore()

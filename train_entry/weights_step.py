@@ -36,13 +36,15 @@ class _Step:
                                                                 "generation": self.generation, "time": time.time(), **extra})
 
     def failed(self, why: str) -> int:
+        """Not retried either way (the same checkpoint fails the same way) and never the
+        user's code: our step, on our checkpoint; the reason says what went wrong."""
         self.event("weights.failed", why)
         contract.atomic_write_json(
             contract.step_error_path(self.tdir, self.launch, "consolidate"),
-            {"where": "the consolidation step", "exit_code": int(ExitCode.USER_ERROR), "type": "ConsolidationFailed",
-             "message": why, "generation": self.generation, "time": time.time()},
+            {"where": "the consolidation step", "exit_code": int(ExitCode.INTERNAL_ERROR), "type": "ConsolidationFailed",
+             "kind": contract.FailureKind.INTERNAL.value, "message": why, "generation": self.generation, "time": time.time()},
         )
-        return ExitCode.USER_ERROR
+        return ExitCode.INTERNAL_ERROR
 
 
 def run(cfg: contract.TaskConfig, tdir: Path, launch: str, generation: int, signals: list[int]) -> int:

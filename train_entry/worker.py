@@ -117,7 +117,7 @@ class Loop:
 
     def run(self) -> float | None:
         total, ckpt = self.cfg.steps, self.ckpt
-        self.hb.beat(self.step, "train", force=True)
+        self.hb.beat(self.step, contract.Phase.TRAIN, force=True)
         self.window_t0, self.window_steps = time.perf_counter(), 0
         while self.step < total:
             lr, losses = self.optimizer_step()
@@ -134,7 +134,7 @@ class Loop:
                 self.save("scheduled")
             if self.step < total:  # posted after the save, so a timed save is not asked for twice
                 self.agree.post(self.session.signal.raised, ckpt.due_by_time())
-            self.hb.beat(self.step, "train")
+            self.hb.beat(self.step, contract.Phase.TRAIN)
         self.saved(ckpt.finish_pending(), "asynchronous")
         if self.cfg.checkpoint.consolidate and ckpt.committed_step != self.step:
             self.save("the final step, for consolidation", final=True)  # what the job's consolidation step writes out
@@ -170,7 +170,7 @@ class Loop:
             self.window_t0, self.window_steps = now, 0
 
     def save(self, why: str, final: bool = False) -> None:
-        self.hb.beat(self.step, "saving", force=True)
+        self.hb.beat(self.step, contract.Phase.SAVING, force=True)
         self.saved(self.ckpt.save(self.step, {"launch": self.session.ctx.launch}, final=final), why)
 
     def saved(self, info: dict | None, why: str) -> None:
@@ -188,7 +188,7 @@ def record_failure(session: RankSession, exc: BaseException) -> ExitCode:
         contract.error_path(session.task_dir, ctx.launch, ctx.rank),
         errors.error_record(exc, code, ctx.rank, hb.step, ctx.generation),
     )
-    hb.beat(hb.step, "failed", force=True)
+    hb.beat(hb.step, contract.Phase.FAILED, force=True)
     return code
 
 
@@ -199,11 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USER_ERROR
     try:
         session = RankSession(argv[0])
+        from torch import distributed as dist
     except contract.TaskConfigError as exc:
         print(f"orchestrate worker: {exc}", file=sys.stderr)
         return ExitCode.INFRA_ERROR
+    except Exception:  # noqa: BLE001 - before the loop nothing is the user's: never exit 1 (their error)
+        traceback.print_exc()
+        return ExitCode.INTERNAL_ERROR
     ctx = session.ctx
-    from torch import distributed as dist
 
     try:
         device, backend = pick_device(session.cfg, ctx)

@@ -31,11 +31,15 @@ class Checkpoint:
         return self.committed and self.problem is None
 
 
+_PREFIXES = (contract.STEP_PREFIX, contract.TMP_PREFIX + contract.STEP_PREFIX)  # committed, or a save left halfway
+
+
 def task_dirs(path: Path) -> list[Path]:
     """Task folders under a run folder, or the one task folder given."""
-    if (path / "tasks").is_dir():
-        return sorted((d for d in (path / "tasks").iterdir() if d.is_dir()), key=lambda d: int(d.name) if d.name.isdigit() else 0)
-    if (path / "checkpoints").is_dir() or contract.task_config_path(path).exists():
+    tasks = contract.task_dir(path, 0).parent
+    if tasks.is_dir():
+        return sorted((d for d in tasks.iterdir() if d.is_dir()), key=lambda d: int(d.name) if d.name.isdigit() else 0)
+    if contract.checkpoints_dir(path).is_dir() or contract.task_config_path(path).exists():
         return [path]
     return []
 
@@ -45,9 +49,9 @@ def find(path: Path, deep: bool = False) -> list[Checkpoint]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"'{path}' does not exist; give an experiment, a run or task folder, or a checkpoint folder")
-    if (path / contract.MANIFEST).exists() or path.name.startswith(("step-", ".tmp-step-")):
+    if (path / contract.MANIFEST).exists() or path.name.startswith(_PREFIXES):
         return [describe(path, "-", deep)]
-    if path.name == "checkpoints":
+    if path.name == contract.checkpoints_dir(path.parent).name:
         return [describe(d, "-", deep) for d in _folders(path)]
     dirs = task_dirs(path)
     if not dirs:
@@ -58,8 +62,8 @@ def find(path: Path, deep: bool = False) -> list[Checkpoint]:
 def _folders(base: Path) -> list[Path]:
     if not base.is_dir():
         return []
-    found = [d for d in base.iterdir() if d.is_dir() and (d.name.startswith("step-") or d.name.startswith(".tmp-step-"))]
-    return sorted(found, key=lambda d: (_step(d) or 0, d.name.startswith("step-")))
+    found = [d for d in base.iterdir() if d.is_dir() and d.name.startswith(_PREFIXES)]
+    return sorted(found, key=lambda d: (_step(d) or 0, d.name.startswith(contract.STEP_PREFIX)))
 
 
 def _step(folder: Path) -> int | None:
@@ -71,7 +75,7 @@ def _step(folder: Path) -> int | None:
 
 def describe(folder: Path, task: str, deep: bool = False) -> Checkpoint:
     manifest = contract.read_json(folder / contract.MANIFEST)
-    committed = folder.name.startswith("step-") and isinstance(manifest, dict)
+    committed = folder.name.startswith(contract.STEP_PREFIX) and isinstance(manifest, dict)
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     ck = Checkpoint(task, _step(folder), folder, committed, size=size)
     if committed:
@@ -88,7 +92,7 @@ def verify(folder: Path) -> str | None:
     and sha256. None when it is good, else what is wrong (naming the file)."""
     folder = Path(folder)
     if not (folder / contract.MANIFEST).exists():
-        if folder.name.startswith(".tmp-"):
+        if folder.name.startswith(contract.TMP_PREFIX):
             return f"{folder}: not committed (a save that never finished)"
         return f"{folder}: no {contract.MANIFEST}: not a committed checkpoint"
     problem = contract.verify_checkpoint(folder, deep=True)

@@ -11,6 +11,7 @@ from orchestrator.checkpoints import commands as ckpt
 from orchestrator.cli.console import stdout_console
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
+from orchestrator.states import CheckpointState
 
 
 def cmd_ckpt(args) -> int:
@@ -110,7 +111,7 @@ def _prune(args, path: Path, owner) -> int:
         except FileNotFoundError:
             continue  # removed meanwhile (the run's own rotation): the same end
         if owner and c.step is not None and c.task.isdigit():
-            owner[0].mark_checkpoint(owner[1]["id"], int(c.task), c.step, "PRUNED")
+            owner[0].mark_checkpoint(owner[1]["id"], int(c.task), c.step, CheckpointState.PRUNED)
     if owner and plan.remove:
         ledger, exp = owner
         ledger.event(exp["id"], "checkpoint.pruned", f"orchestrate ckpt prune --keep {args.keep}: removed {len(plan.remove)} checkpoint(s)")

@@ -8,7 +8,7 @@ import sys
 from orchestrator.cli import render
 from orchestrator.cli.console import stdout_console
 from orchestrator.supervise import watcher
-from orchestrator.supervise.states import TaskState
+from orchestrator.states import TaskState
 
 
 def follow_experiment(ledger, exp_id: str, as_json: bool, interval: float) -> int:

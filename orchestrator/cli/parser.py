@@ -52,6 +52,7 @@ def _add_spec_commands(sub) -> None:
 def _add_submit(sub) -> None:
     sp = sub.add_parser("submit", help="validate, expand the sweep and submit every task")
     _spec_args(sp)
+    # scheduler.EXECUTORS, not imported here: it would load the spec models at start-up
     sp.add_argument("--executor", choices=["local", "slurm"], help="default: slurm when sbatch is found, else local")
     sp.add_argument("--dry-run", action="store_true", help="print the plan; submit and record nothing")
     sp.add_argument("--watch", "--wait", dest="watch", action="store_true",

@@ -15,7 +15,7 @@ from orchestrator.cli.console import stdout_console
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
 from orchestrator.supervise import refresh
-from orchestrator.supervise.states import TaskState
+from orchestrator.states import TaskState
 
 
 def cmd_status(args) -> int:

@@ -32,34 +32,23 @@ def cmd_submit(args) -> int:
     return follow_experiment(ledger, plan.experiment_id, args.json, args.interval)
 
 
-def _slurm_check(plan) -> str:
-    """SLURM's own verdict on the plan (``sbatch --test-only``), when SLURM is here."""
-    import shutil
+def _preview(plan) -> dict[str, str]:
+    """The scheduler's part of a dry run; SLURM's check raises SchedulerError when it would refuse."""
+    from orchestrator.scheduler import get_scheduler
 
-    from orchestrator.scheduler.slurm import SlurmScheduler
-
-    if not shutil.which("sbatch"):
-        return "not checked: sbatch is not on PATH here"
-    return SlurmScheduler().check(plan)  # raises SchedulerError when SLURM would refuse
+    return get_scheduler(plan.executor).preview(plan)
 
 
 def _dry_run_doc(plan) -> dict:
-    doc = plan.summary()
-    if plan.executor == "slurm":
-        from orchestrator.scheduler.slurm import render_batch_script
-
-        doc["sbatch_script"] = render_batch_script(plan)
-        doc["slurm_check"] = _slurm_check(plan)
-    return doc
+    return {**plan.summary(), **_preview(plan)}
 
 
 def _dry_run_text(plan) -> str:
     from orchestrator.submit.plan import render_plan_text
 
     text = render_plan_text(plan)
-    if plan.executor == "slurm":
-        from orchestrator.scheduler.slurm import render_batch_script
-
-        text += "\n\n# the batch script that would be submitted (one job array):\n" + render_batch_script(plan)
-        text += f"\n# sbatch --test-only: {_slurm_check(plan)}"
+    extra = _preview(plan)
+    if "sbatch_script" in extra:
+        text += "\n\n# the batch script that would be submitted (one job array):\n" + extra["sbatch_script"]
+        text += f"\n# sbatch --test-only: {extra['slurm_check']}"
     return text + "\n(dry run: nothing submitted, nothing recorded)"

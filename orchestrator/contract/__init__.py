@@ -15,6 +15,9 @@ from . import envvars
 from .checkpoint import (
     CHECKPOINT_FORMAT,
     MANIFEST,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    TRASH_PREFIX,
     checkpoint_name,
     checkpoint_tmp,
     commit_checkpoint,
@@ -39,6 +42,8 @@ from .hostlist import expand_hostlist
 from .layout import (
     DEEPSPEED_CONFIG,
     ERROR_GLOB,
+    GENERATION_END_GLOB,
+    HEARTBEAT_GLOB,
     NODE_RECORD_GLOB,
     SPEC_RESOLVED,
     TASK_CONFIG,
@@ -62,6 +67,7 @@ from .layout import (
     metrics_path,
     node_record_path,
     requeue_path,
+    stacks_dir,
     stacks_path,
     start_path,
     step_error_path,
@@ -71,8 +77,8 @@ from .layout import (
     weights_dir,
     weights_tmp_dir,
 )
-from .records import CONTRACT_VERSION, heartbeat_record
-from .taskconfig import TaskConfig, TaskConfigError
+from .records import CONTRACT_VERSION, Phase, RequeueBy, heartbeat_record
+from .taskconfig import TaskConfig, TaskConfigError, thaw
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -80,12 +86,19 @@ __all__ = [
     "DEEPSPEED_CONFIG",
     "DUMP_SIGNAL_OFFSET",
     "ERROR_GLOB",
+    "GENERATION_END_GLOB",
+    "HEARTBEAT_GLOB",
     "EXIT_OF_KIND",
     "ExitCode",
     "FailureKind",
     "GenerationAction",
     "MANIFEST",
+    "STEP_PREFIX",
+    "TMP_PREFIX",
+    "TRASH_PREFIX",
     "NODE_RECORD_GLOB",
+    "Phase",
+    "RequeueBy",
     "RequeueCause",
     "SPEC_RESOLVED",
     "TASK_CONFIG",
@@ -134,11 +147,13 @@ __all__ = [
     "read_jsonl_from",
     "remove_leftovers",
     "requeue_path",
+    "stacks_dir",
     "stacks_path",
     "start_path",
     "step_error_path",
     "task_config_path",
     "task_dir",
+    "thaw",
     "unresponsive_path",
     "verify_checkpoint",
     "weights_dir",

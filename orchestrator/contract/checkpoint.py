@@ -21,15 +21,18 @@ from .layout import checkpoints_dir
 
 MANIFEST = "manifest.json"
 CHECKPOINT_FORMAT = 1
+STEP_PREFIX = "step-"  # a committed checkpoint's folder: step-<9 digits>
+TMP_PREFIX = ".tmp-"  # a save in progress (or killed): .tmp-step-<9 digits>
+TRASH_PREFIX = ".trash-"  # being deleted
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
 
 def checkpoint_name(step: int) -> str:
-    return f"step-{int(step):09d}"
+    return f"{STEP_PREFIX}{int(step):09d}"
 
 
 def checkpoint_tmp(tdir: str | os.PathLike, step: int) -> Path:
-    return checkpoints_dir(tdir) / f".tmp-{checkpoint_name(step)}"
+    return checkpoints_dir(tdir) / f"{TMP_PREFIX}{checkpoint_name(step)}"
 
 
 def committed_checkpoints(tdir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -94,7 +97,7 @@ def remove_leftovers(tdir: str | os.PathLike) -> list[str]:
     gone = []
     if base.is_dir():
         for d in base.iterdir():
-            if d.name.startswith((".tmp-", ".trash-")):
+            if d.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d.name)
     return sorted(gone)
@@ -103,6 +106,6 @@ def remove_leftovers(tdir: str | os.PathLike) -> list[str]:
 def discard_checkpoint(folder: str | os.PathLike) -> None:
     """Rename first, then delete: a half-deleted checkpoint never looks committed."""
     folder = Path(folder)
-    trash = folder.parent / f".trash-{folder.name}-{os.getpid()}"
+    trash = folder.parent / f"{TRASH_PREFIX}{folder.name}-{os.getpid()}"
     os.replace(folder, trash)
     shutil.rmtree(trash, ignore_errors=True)

@@ -63,6 +63,9 @@ def heartbeat_path(tdir: PathLike, rank: int) -> Path:
     return heartbeat_dir(tdir) / f"rank-{rank}.json"
 
 
+HEARTBEAT_GLOB = "rank-*.json"  # every rank's file in heartbeat_dir
+
+
 def metrics_path(tdir: PathLike) -> Path:
     return Path(tdir) / "metrics.jsonl"
 
@@ -158,8 +161,15 @@ def generation_dumped_path(ldir: PathLike, generation: int, node_rank: int) -> P
     return Path(ldir) / f"gen-{generation}.node-{node_rank}.dumped.json"
 
 
+GENERATION_END_GLOB = "gen-*.end.json"
+
+
+def stacks_dir(ldir: PathLike) -> Path:
+    return Path(ldir) / "stacks"
+
+
 def stacks_path(ldir: PathLike, generation: int, rank: int) -> Path:
-    return Path(ldir) / "stacks" / f"gen-{generation}.rank-{rank}.txt"
+    return stacks_dir(ldir) / f"gen-{generation}.rank-{rank}.txt"
 
 
 def derive_port(job_id: str, generation: int = 0) -> int:

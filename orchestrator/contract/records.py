@@ -5,7 +5,27 @@ from __future__ import annotations
 import os
 import time
 
+from .codes import TextEnum
+
 CONTRACT_VERSION = 1
+
+
+class Phase(TextEnum):
+    """What a rank was doing at its last heartbeat; the watcher allows silence by phase."""
+
+    INIT = "init"  # before the first step: loading, rendezvous
+    TRAIN = "train"
+    SAVING = "saving"  # writing a checkpoint
+    REQUEUE = "requeue"  # saved on the checkpoint signal, leaving
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RequeueBy(TextEnum):
+    """Who puts a job that saved on the checkpoint signal back in the queue (``requeue.json``)."""
+
+    AGENT = "agent"  # node 0's agent, with scontrol requeue
+    SLURM = "slurm"  # SLURM itself (an older agent's choice after a preemption)
 
 
 def heartbeat_record(

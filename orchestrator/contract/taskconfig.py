@@ -123,11 +123,12 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _thawed(value: Any) -> Any:
+def thaw(value: Any) -> Any:
+    """Plain dicts and lists again (for libraries that want to mutate or serialise them)."""
     if isinstance(value, Mapping):
-        return {k: _thawed(v) for k, v in value.items()}
+        return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        return [_thawed(v) for v in value]
+        return [thaw(v) for v in value]
     return value
 
 
@@ -217,8 +218,12 @@ class TaskConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else _thawed(value)
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else thaw(value)
         return out
+
+    def __getitem__(self, key: str) -> Any:
+        """Dict-style access (``cfg["steps"]``), as the client API gave before it was typed."""
+        return self.to_dict()[key]
 
     @property
     def dir(self) -> Path:

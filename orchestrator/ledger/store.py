@@ -3,7 +3,7 @@
 Only the login side writes it, and only through this class. Each state change and its
 event are written in one transaction, so no reader ever sees one without the other.
 Every task and attempt state change is checked against the transition tables in
-``supervise.states``: an illegal move is never applied; it raises in strict mode
+``orchestrator.states``: an illegal move is never applied; it raises in strict mode
 (the tests: ``$ORCHESTRATE_STRICT_TRANSITIONS=1``) and is an event otherwise.
 """
 
@@ -22,8 +22,8 @@ import sqlite_utils
 
 from orchestrator.contract import envvars
 from orchestrator.errors import UserError
-from orchestrator.supervise import states
-from orchestrator.supervise.states import ActionState, AttemptState, CheckpointState, TaskState, TransitionError
+from orchestrator import states
+from orchestrator.states import ActionState, AttemptState, CheckpointState, TaskState, TransitionError
 from orchestrator.ledger.migrations import migrate
 
 log = logging.getLogger(__name__)
@@ -253,22 +253,24 @@ class Ledger:
             self.event(exp_id, "attempt.submitted", cause, idx=idx, attempt=number, new="PENDING")
             return number
 
-    def update_attempt(self, exp_id: str, idx: int, number: int, cause: str, **fields: Any) -> None:
-        """Update an attempt; a change of state is recorded as an event."""
+    def update_attempt(self, exp_id: str, idx: int, number: int, cause: str, **fields: Any) -> bool:
+        """Update an attempt; a change of state is recorded as an event. False when the
+        transition table refuses the change (nothing is written then)."""
         with self.tx():
             row = self.db["attempts"].get((exp_id, idx, number))
             changes = {k: v for k, v in fields.items() if row.get(k) != v}
             if not changes:
-                return
+                return True
             if "state" in changes:
                 try:
                     states.check_attempt(AttemptState(row["state"]), AttemptState(changes["state"]))
                 except TransitionError as exc:
                     self._illegal(exp_id, exc, cause, idx=idx, attempt=number)
-                    return
+                    return False
             self.db["attempts"].update((exp_id, idx, number), changes)
             if "state" in changes:
                 self.event(exp_id, "attempt.state", cause, idx=idx, attempt=number, old=row["state"], new=changes["state"])
+            return True
 
     def set_attempt_restarts(self, exp_id: str, idx: int, number: int, restarts: int) -> None:
         """How many times the attempt's ranks were restarted in place."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from orchestrator.submit.plan import Plan
-from orchestrator.supervise.states import AttemptState
+from orchestrator.states import AttemptState
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ class Scheduler(Protocol):
     def check(self, plan: Plan) -> str:
         """Would the scheduler take this plan? Returns its estimate; raises SchedulerError
         (with the spec field to change) when it would refuse."""
+
+    def preview(self, plan: Plan) -> dict[str, str]:
+        """What ``submit --dry-run`` shows beyond the plan (SLURM: the exact batch script
+        and SLURM's own verdict on it); empty when there is nothing more to show."""
 
     def submit(self, plan: Plan) -> dict[int, str]:
         """Submit every task of the plan; returns task index -> job id."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.submit.plan import Plan
 from orchestrator.supervise.reconcile import attempt_state_for_exit
-from orchestrator.supervise.states import AttemptState
+from orchestrator.states import AttemptState
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
@@ -84,6 +84,9 @@ class LocalScheduler:
 
     name = "local"
     capabilities = Capabilities(requeue_in_place=False, requeues_by_itself=False, tells_why_stopped=False)
+
+    def preview(self, plan: Plan) -> dict[str, str]:
+        return {}
 
     def check(self, plan: Plan) -> str:
         return f"{len(plan.tasks)} task(s) would start at once on this machine" if not plan.max_parallel else (

@@ -22,21 +22,20 @@ from __future__ import annotations
 import math
 import pwd
 import shlex
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.scheduler import commands
-
-from orchestrator.submit import fragments
-
 from orchestrator import contract
 from orchestrator.errors import SchedulerError, UserError
-from orchestrator.submit.plan import Plan
+from orchestrator.scheduler import commands
+from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
 from orchestrator.spec.units import parse_memory_mb
-from orchestrator.scheduler.base import Capabilities, JobRef, Observation
+from orchestrator.submit import fragments
+from orchestrator.submit.plan import Plan
 
 QUERY_TIMEOUT_S = 30
 CHECK_TIMEOUT_S = 60
@@ -169,6 +168,10 @@ class SlurmScheduler:
 
     def __init__(self, runner: commands.Runner | None = None):
         self.runner = runner or commands.Runner()
+
+    def preview(self, plan: Plan) -> dict[str, str]:
+        check = self.check(plan) if shutil.which("sbatch") else "not checked: sbatch is not on PATH here"
+        return {"sbatch_script": render_batch_script(plan), "slurm_check": check}
 
     def check(self, plan: Plan) -> str:
         """``sbatch --test-only`` on the plan's script; returns SLURM's estimate

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from orchestrator.contract import expand_hostlist
 from orchestrator.scheduler.base import Observation
-from orchestrator.supervise.states import AttemptState
+from orchestrator.states import AttemptState
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from orchestrator.errors import UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import JobRef, get_scheduler
 from orchestrator.supervise.refresh import live_attempts
-from orchestrator.supervise.states import AttemptState
+from orchestrator.states import AttemptState
 
 
 def cancel(ledger: Ledger, exp: dict, index: int | None = None) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator import contract
+from orchestrator.contract import GenerationAction
 from orchestrator.ledger import Ledger
 from orchestrator.supervise.launches import LaunchRecord
 
@@ -21,7 +22,7 @@ def read_heartbeats(task_dir: str | Path) -> list[dict]:
     """The latest heartbeat of every rank (ledger columns, without the task's keys)."""
     rows = []
     hb_dir = contract.heartbeat_dir(task_dir)
-    for f in hb_dir.glob("rank-*.json") if hb_dir.is_dir() else ():
+    for f in hb_dir.glob(contract.HEARTBEAT_GLOB) if hb_dir.is_dir() else ():
         rec = contract.read_json(f)
         if rec:
             rows.append({"rank": rec["rank"], "generation": rec.get("generation", 0), **{k: rec.get(k) for k in _HEARTBEAT_FIELDS}})
@@ -70,17 +71,17 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path)
 def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: int, launch: LaunchRecord, task_dir: str) -> None:
     """One event per generation of the attempt's ranks that ended in place (a restart, or
     the decision to stop the launch), each recorded once."""
-    ldir = contract.launches_dir(task_dir) / launch.key
-    key = str(ldir / "gen-*.end.json")
+    ldir = contract.launch_dir(task_dir, launch.key)
+    key = str(ldir / contract.GENERATION_END_GLOB)  # the cursor of this launch's generation ends
     done = ledger.cursor(key)
     ends = launch.generations
     if len(ends) <= done:
         return
     with ledger.tx():
         for rec in ends[done:]:
-            restart = rec.get("action") == "restart"
+            restart = rec.get("action") == GenerationAction.RESTART
             what = "restarting the ranks in place from the last committed checkpoint" if restart else "stopping the launch"
-            stacks = f"; stack traces in {ldir / 'stacks'}" if rec.get("dump") else ""
+            stacks = f"; stack traces in {contract.stacks_dir(ldir)}" if rec.get("dump") else ""
             ledger.event(
                 exp_id,
                 "attempt.restarted" if restart else "attempt.restarts_stopped",
@@ -88,5 +89,5 @@ def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: int, launch:
                 idx=idx,
                 attempt=attempt,
             )
-        ledger.set_attempt_restarts(exp_id, idx, attempt, sum(1 for r in ends if r.get("action") == "restart"))
+        ledger.set_attempt_restarts(exp_id, idx, attempt, sum(1 for r in ends if r.get("action") == GenerationAction.RESTART))
         ledger.set_cursor(key, len(ends))

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from orchestrator.contract import ExitCode, FailureKind, GenerationAction, RequeueCause
+from orchestrator.contract import ExitCode, FailureKind, GenerationAction, RequeueBy, RequeueCause
 from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.supervise.launches import LaunchRecord
-from orchestrator.supervise.states import AttemptState, TaskState
+from orchestrator.states import AttemptState, TaskState
 
 _BY_EXIT = {
     ExitCode.OK: AttemptState.COMPLETED,
@@ -56,7 +56,7 @@ _EXIT_REASON = {
     ExitCode.OUT_OF_MEMORY: "out of memory",
     ExitCode.INTERNAL_ERROR: "orchestrate's trainer failed (a bug in orchestrate, not in your code)",
 }
-_REQUEUED_BY = {"slurm": "SLURM", "agent": "the node agent"}
+_REQUEUED_BY = {RequeueBy.SLURM: "SLURM", RequeueBy.AGENT: "the node agent"}
 
 
 def requeue_cause(launch: LaunchRecord) -> RequeueCause:

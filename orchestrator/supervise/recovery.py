@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import tenacity
 
-from orchestrator.contract import FailureKind, TextEnum
+from orchestrator.contract import FailureKind, Phase, TextEnum
 from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.scheduler.base import Capabilities
-from orchestrator.supervise.states import AttemptState
+from orchestrator.states import AttemptState
 
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
 LEARNED_TIMEOUT_MIN_S = 60.0
@@ -56,7 +56,7 @@ def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max:
     if not rows:
         return None
     generation = max(h.get("generation") or 0 for h in rows)
-    limits = {"init": hb.startup_timeout_s, "train": train_timeout(hb, step_time_max), "saving": hb.save_timeout_s}
+    limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: train_timeout(hb, step_time_max), Phase.SAVING: hb.save_timeout_s}
     worst: Hang | None = None
     for h in rows:
         if (h.get("generation") or 0) != generation or h.get("phase") not in limits:

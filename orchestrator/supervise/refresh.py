@@ -16,7 +16,7 @@ from orchestrator.ledger import Ledger
 from orchestrator.scheduler import JobRef, Observation, Scheduler, get_scheduler
 from orchestrator.supervise import ingest, reconcile
 from orchestrator.supervise.launches import read_launches
-from orchestrator.supervise.states import TaskState
+from orchestrator.states import TaskState
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ def live_attempts(ledger: Ledger, experiments: list[dict]) -> list[LiveTask]:
     return out
 
 
-def poll(live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[str] | None) -> dict[str, Observation] | None:
-    """One batched poll per executor; None when one could not be asked (nothing may be
-    inferred from a job's absence then)."""
+def poll(live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[str] | None) -> tuple[dict[str, Observation], bool]:
+    """One batched poll per executor: what the schedulers said, and whether every one
+    answered (when one did not, nothing may be inferred from its jobs' absence)."""
     by_executor: dict[str, list[LiveTask]] = {}
     for item in live:
         by_executor.setdefault(item.exp["executor"], []).append(item)
@@ -66,18 +66,22 @@ def poll(live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[st
             answered = False
             if errors is not None:
                 errors.append(f"{executor}: {exc}")
-    return observations if answered else None
+    return observations, answered
 
 
 def apply_changes(ledger: Ledger, exp_id: str, idx: int, task_dir: str, changes: list[reconcile.Change]) -> None:
+    """Apply one task's changes in order; a change the ledger refuses (a stale plan) ends
+    the task's list, since the changes after it were planned on top of it."""
     for c in changes:
         if isinstance(c, reconcile.UpdateAttempt):
-            ledger.update_attempt(exp_id, idx, c.number, c.cause, **c.fields)
+            if not ledger.update_attempt(exp_id, idx, c.number, c.cause, **c.fields):
+                return
         elif isinstance(c, reconcile.SetTaskState):
             ledger.set_task_state(exp_id, idx, c.state, c.cause, reason=c.reason)
         elif isinstance(c, reconcile.AddAttempt):
             number = ledger.add_attempt(exp_id, idx, c.job_id, c.cause)
-            assert number == c.number, (number, c)
+            if number != c.number:  # cannot happen inside refresh's transaction; never silently
+                raise RuntimeError(f"{exp_id} task {idx}: attempt {number} was added where {c.number} was planned")
         elif isinstance(c, reconcile.RecordRestarts):
             ingest.ingest_restarts(ledger, exp_id, idx, c.number, c.launch, task_dir)
 
@@ -89,13 +93,19 @@ def refresh(
     observations (None when a scheduler could not be asked)."""
     live = live_attempts(ledger, experiments)
     schedulers = {} if schedulers is None else schedulers
-    observations = poll(live, schedulers, errors)
+    observations, answered = poll(live, schedulers, errors)
     now = time.time()
     for item in live:
         exp_id, idx, tdir = item.exp["id"], item.task["idx"], item.task["task_dir"]
         ingest.ingest_progress(ledger, exp_id, idx, tdir)
-        obs = (observations or {}).get(item.attempt["job_id"])
+        launches = read_launches(tdir)
         caps = schedulers[item.exp["executor"]].capabilities
-        changes = reconcile.plan_refresh(item.attempt, read_launches(tdir), obs, caps, now)
-        apply_changes(ledger, exp_id, idx, tdir, changes)
-    return observations
+        # planned and applied on the rows as they are now, under the write lock: a watcher
+        # and a `status` refreshing at once never act on each other's stale rows
+        with ledger.tx():
+            if TaskState(ledger.task(exp_id, idx)["state"]).terminal:
+                continue
+            attempt = ledger.attempts(exp_id, idx)[-1]
+            changes = reconcile.plan_refresh(attempt, launches, observations.get(attempt["job_id"]), caps, now)
+            apply_changes(ledger, exp_id, idx, tdir, changes)
+    return observations if answered else None

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator import contract
-from orchestrator.contract import FailureKind, TaskConfig, TaskConfigError, envvars
+from orchestrator.contract import FailureKind, GenerationAction, TaskConfig, TaskConfigError, envvars
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import get_scheduler
 from orchestrator.supervise import recovery, refresh
 from orchestrator.supervise.launches import read_launches
 from orchestrator.supervise.recovery import RecoveryKind
-from orchestrator.supervise.states import ActionState, AttemptState, TaskState
+from orchestrator.states import ActionState, AttemptState, TaskState
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Watcher:
             by=f"watcher {self.owner}",
         )
         if contract.create_exclusive_json(contract.generation_end_path(ldir, hang.generation), record):
-            what = "the agents dump every rank's stacks, then restart in place" if record["action"] == "restart" else "the agents dump every rank's stacks, then stop the launch"
+            what = "the agents dump every rank's stacks, then restart in place" if record["action"] == GenerationAction.RESTART else "the agents dump every rank's stacks, then stop the launch"
             self.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
 
     # ------------------------------------------------------------ failed attempts

@@ -32,7 +32,7 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
     if ctx.node_rank == 0:
         decision = requeue_decision(ctx, cfg, run)
         contract.atomic_write_json(record, {**decision, "time": time.time()})
-        if decision["by"] == "agent":
+        if decision["by"] == contract.RequeueBy.AGENT:
             try:  # ends this job at once (the ranks are done) and queues it again
                 run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
             except (OSError, subprocess.SubprocessError) as exc:
@@ -42,7 +42,7 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
         while not record.exists() and time.time() < deadline:
             time.sleep(0.5)
         decision = contract.read_json(record) or {}
-    if decision.get("by") in ("slurm", "agent"):
+    if decision.get("by") in (contract.RequeueBy.SLURM, contract.RequeueBy.AGENT):
         deadline = time.time() + PREEMPT_WAIT_S  # until SLURM's SIGTERM (grace time over, or the requeue)
         while time.time() < deadline and not flags.stopping():
             time.sleep(0.2)
@@ -58,4 +58,4 @@ def requeue_decision(ctx: NodeContext, cfg: contract.TaskConfig, run=subprocess.
     limit = cfg.retry.max_requeues
     if ctx.restart_count >= limit:
         return {"by": None, "cause": cause.value, "reason": f"requeue limit reached ({limit})"}
-    return {"by": "agent", "cause": cause.value, "reason": "preempted" if preempted else "time limit signal"}
+    return {"by": contract.RequeueBy.AGENT.value, "cause": cause.value, "reason": "preempted" if preempted else "time limit signal"}

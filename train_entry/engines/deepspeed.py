@@ -19,7 +19,7 @@ import torch
 
 from orchestrator import contract
 
-from train_entry.config import thaw
+from orchestrator.contract import thaw
 from train_entry.engines.base import Engine, make_optimizer, set_lr
 
 

@@ -8,13 +8,12 @@ against the tables here (``check_task``, ``check_attempt``).
 
 from __future__ import annotations
 
-import enum
 from typing import Iterable
 
 from orchestrator.contract import TextEnum
 
 
-class TaskState(str, enum.Enum):
+class TaskState(TextEnum):
     PENDING = "PENDING"  # submitted, not started
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"  # an attempt ended; a new one is on its way
@@ -58,7 +57,7 @@ def check_task(old: TaskState, new: TaskState) -> None:
         raise TransitionError(f"task state {old.value} -> {new.value} is not allowed")
 
 
-class AttemptState(str, enum.Enum):
+class AttemptState(TextEnum):
     """What became of one launch of a task (one scheduler job, or one requeue of it)."""
 
     PENDING = "PENDING"
@@ -85,12 +84,13 @@ _ATTEMPT_ALLOWED: dict[AttemptState, frozenset[AttemptState]] = {
     AttemptState.PENDING: frozenset(AttemptState) - {AttemptState.PENDING},
     AttemptState.RUNNING: _ENDED_ATTEMPT | {AttemptState.UNKNOWN},
     AttemptState.UNKNOWN: frozenset(AttemptState) - {AttemptState.UNKNOWN},
-    # An attempt never comes back to life (a requeue is a new attempt). An ending may
-    # still be refined by a later, better record: the agents record any SIGTERM as a
-    # cancellation until SLURM says it was a node failure, a preemption or a time
-    # limit; a launch decided from SLURM's word first may tell its own end later.
+    # An attempt never comes back to life (a requeue is a new attempt), and a completed
+    # one stays completed. Any other ending may be refined by a later, better record:
+    # the agents record any SIGTERM as a cancellation until SLURM says it was a node
+    # failure, a preemption or a time limit; an attempt decided from the scheduler's
+    # word first (LOST: the local driver died) may tell its own end later, even exit 0.
     AttemptState.COMPLETED: frozenset(),
-    **{s: _ENDED_ATTEMPT - {s, AttemptState.COMPLETED} for s in _ENDED_ATTEMPT - {AttemptState.COMPLETED}},
+    **{s: _ENDED_ATTEMPT - {s} for s in _ENDED_ATTEMPT - {AttemptState.COMPLETED}},
 }
 
 
