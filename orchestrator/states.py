@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from orchestrator.contract import TextEnum
+from orchestrator.contract import ExitCode, TextEnum
 
 
 class TaskState(TextEnum):
@@ -125,3 +125,16 @@ class ActionState(TextEnum):
 class CheckpointState(TextEnum):
     COMMITTED = "COMMITTED"  # the trainer committed it (manifest written last)
     PRUNED = "PRUNED"  # removed by `orchestrate ckpt prune`
+
+
+_ATTEMPT_BY_EXIT = {
+    ExitCode.OK: AttemptState.COMPLETED,
+    ExitCode.CANCELLED: AttemptState.CANCELLED,
+    ExitCode.REQUEUE: AttemptState.REQUEUED,
+    ExitCode.OUT_OF_MEMORY: AttemptState.OUT_OF_MEMORY,
+}
+
+
+def attempt_state_for_exit(code: int | None) -> AttemptState:
+    """How an attempt ended, from its launch's exit code (the one table for this)."""
+    return _ATTEMPT_BY_EXIT.get(code, AttemptState.FAILED)

@@ -23,8 +23,7 @@ from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.submit.plan import Plan
-from orchestrator.supervise.reconcile import attempt_state_for_exit
-from orchestrator.states import AttemptState
+from orchestrator.states import AttemptState, attempt_state_for_exit
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before

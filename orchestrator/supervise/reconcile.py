@@ -15,14 +15,8 @@ from typing import Any, Union
 from orchestrator.contract import ExitCode, FailureKind, GenerationAction, RequeueBy, RequeueCause
 from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.supervise.launches import LaunchRecord
-from orchestrator.states import AttemptState, TaskState
+from orchestrator.states import AttemptState, TaskState, attempt_state_for_exit
 
-_BY_EXIT = {
-    ExitCode.OK: AttemptState.COMPLETED,
-    ExitCode.CANCELLED: AttemptState.CANCELLED,
-    ExitCode.REQUEUE: AttemptState.REQUEUED,
-    ExitCode.OUT_OF_MEMORY: AttemptState.OUT_OF_MEMORY,
-}
 
 _TASK_AFTER = {
     AttemptState.PENDING: TaskState.PENDING,
@@ -79,11 +73,6 @@ def launch_failure(launch: LaunchRecord) -> FailureKind | None:
     last = launch.generations[-1] if launch.generations else {}
     hung = last.get("action") == GenerationAction.STOP.value and last.get("kind") == FailureKind.HANG.value
     return FailureKind.HANG if hung else FailureKind.INFRASTRUCTURE
-
-
-def attempt_state_for_exit(code: int | None) -> AttemptState:
-    """How an attempt ended, from the launch's exit code (the one table for this)."""
-    return _BY_EXIT.get(code, AttemptState.FAILED)
 
 
 def exit_reason(code: int | None) -> str:

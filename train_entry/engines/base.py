@@ -130,22 +130,3 @@ def autocast(device: torch.device, precision: str):
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None) -> Engine:
-    kind = cfg.engine["kind"]
-    if cfg.engine["activation_checkpointing"]:
-        apply_activation_checkpointing(model, layer_units(model, cfg.engine.get("wrap")))  # wrap: fsdp's only
-    if kind == "ddp":
-        from train_entry.engines.ddp import DDPEngine
-
-        return DDPEngine(cfg, model, device)
-    if kind == "fsdp":
-        from train_entry.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(cfg, model, device)
-    if kind == "deepspeed":
-        from train_entry.engines.deepspeed import DeepSpeedEngine
-
-        return DeepSpeedEngine(cfg, model, device, resume)
-    raise ValueError(f"engine.kind '{kind}' is not known to this trainer")
