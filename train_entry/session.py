@@ -37,7 +37,9 @@ class CheckpointSignal:
 
 
 class RankSession:
-    """Raises ``contract.TaskConfigError`` when task.json cannot be read."""
+    """One rank's set-up, whoever runs its loop: the typed task config, its place in the
+    job, the heartbeat (first beat: ``init``), stack dumps on the dump signal, and the
+    checkpoint-signal flag. Raises ``contract.TaskConfigError`` when task.json cannot be read."""
 
     def __init__(self, task_dir: str | Path, env: Mapping[str, str] = os.environ):
         self.task_dir = Path(task_dir)

@@ -34,8 +34,6 @@ def cmd_submit(args) -> int:
 
 def _preview(plan) -> dict[str, str]:
     """The scheduler's part of a dry run; SLURM's check raises SchedulerError when it would refuse."""
-    from orchestrator.scheduler import get_scheduler
-
     return get_scheduler(plan.executor).preview(plan)
 
 
