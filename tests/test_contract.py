@@ -65,12 +65,13 @@ def test_task_config_defaults_are_the_specs():
     import dataclasses
 
     from orchestrator.contract import taskconfig as tc
+    from orchestrator.spec import hf as spec_hf
     from orchestrator.spec import sections as spec
 
     pairs = {
         tc.Resources: spec.Resources, tc.Optimizer: spec.Optimizer, tc.Schedule: spec.Schedule, tc.Batch: spec.Batch,
         tc.Logging: spec.Logging, tc.Checkpoint: spec.Checkpoint, tc.Retry: spec.Retry, tc.Heartbeat: spec.Heartbeat,
-        tc.Consolidate: spec.Consolidate,
+        tc.Consolidate: spec.Consolidate, tc.Eval: spec_hf.Eval,
     }
     checked = 0
     for ours, theirs in pairs.items():

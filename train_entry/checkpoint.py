@@ -95,6 +95,7 @@ class Checkpointer:
         self.last_save_time = time.time()
         self.pending = None  # an async save: (step, tmp, future, blocked_s, started)
         self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
+        self.extras: dict[str, dict] = {}  # JSON files rank 0 adds to every checkpoint (hf.json)
 
     # ------------------------------------------------------------ save
 
@@ -116,6 +117,8 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             (tmp / RNG_DIR).mkdir(parents=True)
+            for name, record in self.extras.items():
+                contract.atomic_write_json(tmp / name, record)
         dist.barrier()
         torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{self.rank}.pt")
         return tmp

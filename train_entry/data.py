@@ -34,4 +34,13 @@ class Sampler:
     def batch(self, dataset, step: int, micro: int, device: torch.device):
         collate = getattr(dataset, "collate", default_collate)  # the user's data collates as theirs
         items = collate([dataset[i] for i in self.indices(step, micro)])
-        return tuple(t.to(device, non_blocking=True) if torch.is_tensor(t) else t for t in items)
+        return tuple(to_device(t, device) for t in items)
+
+
+def to_device(value, device: torch.device):
+    """Tensors, and the tensors in a dict of keyword arguments, moved to ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value

@@ -51,12 +51,12 @@ class Heartbeat:
             ),
         )
 
-    def metric(self, step: int, loss: float, lr: float, throughput: float) -> None:
+    def metric(self, step: int, loss: float, lr: float, throughput: float, eval_loss: float | None = None) -> None:
         if self.ctx.rank == 0:
             contract.append_jsonl(
                 self.metrics,
-                {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "time": self.clock(), "launch": self.ctx.launch,
-                 "generation": self.ctx.generation},
+                {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "eval_loss": eval_loss, "time": self.clock(),
+                 "launch": self.ctx.launch, "generation": self.ctx.generation},
             )
 
     def event(self, kind: str, cause: str, **extra) -> None:

@@ -27,6 +27,11 @@ class Workload:
     dataset: Any
     loss: Callable[[Any, Any], torch.Tensor]
     tokens_per_sample: int = 1  # throughput unit: tokens for language models, else samples
+    eval_dataset: Any = None  # the held-out split, evaluated every ``eval.every_steps``
+    loss_sum: Callable[[Any, Any], tuple] | None = None  # (loss sum, target count) of a batch, for evaluation
+    export: dict | None = None  # hf.json, written into every checkpoint (how to export it)
+    keep: Any = None  # what must outlive loading (ZeRO-3's HfDeepSpeedConfig)
+    trainable_only: bool = False  # frozen weights come from the model folder again: not checkpointed
 
 
 # ---------------------------------------------------------------- data
@@ -125,6 +130,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build_workload(mcfg: Mapping[str, Any], dcfg: Mapping[str, Any]) -> Workload:
     """The model, data and loss named by a task's ``model`` and ``data`` sections."""
+    if mcfg["kind"] == "hf":
+        raise ValueError("kind hf is built by train_entry.hf.build, which needs the whole task config")
     if mcfg["kind"] == "entrypoint":
         return _entrypoint(mcfg["entrypoint"], thaw(mcfg["kwargs"]))
     if dcfg["kind"] == "text":

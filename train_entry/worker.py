@@ -81,9 +81,16 @@ def build(session: RankSession, device):
     ckpt = Checkpointer(cfg, ctx.rank, ctx.world_size)
     resume = ckpt.find_resume()
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    workload = build_workload(cfg.model, cfg.data)
-    engine = build_engine(cfg, workload.model, device, resume)
+    if cfg.model["kind"] == "hf":
+        from train_entry import hf
+
+        workload = hf.build(cfg, log=lambda line: ctx.rank == 0 and print(line, flush=True))
+    else:
+        workload = build_workload(cfg.model, cfg.data)
+    engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only)
     ckpt.engine = engine
+    if workload.export is not None:
+        ckpt.extras[contract.HF_EXPORT] = workload.export
     torch.manual_seed(cfg.seed * 7919 + ctx.rank)  # per-rank dropout streams
     step = 0
     if resume.folder is not None:
@@ -124,7 +131,7 @@ class Loop:
             # what every rank posted one step ago (done by now: it ran during this step), taken before
             # any other collective of ours, so that none of them ever runs beside it
             signal, timed = self.agree.drain()
-            self.log(lr, losses)
+            self.log(lr, losses, self.evaluate())
             self.saved(ckpt.poll_pending(), "asynchronous")
             if signal and self.step < total:  # acted on at the same step on every rank
                 self.save("on the checkpoint signal", final=True)
@@ -156,17 +163,33 @@ class Loop:
         self.hb.step_time_s = time.perf_counter() - t0
         return lr, losses
 
-    def log(self, lr: float, losses: list) -> None:
+    def evaluate(self) -> float | None:
+        """The held-out loss, every ``eval.every_steps`` and at the last step (collective)."""
+        every, w = self.cfg.eval.every_steps, self.workload
+        if not every or w.eval_dataset is None or not (self.step % every == 0 or self.step == self.cfg.steps):
+            return None
+        from train_entry.evaluate import evaluate
+
+        ctx = self.session.ctx
+        self.hb.beat(self.step, contract.Phase.TRAIN, force=True)
+        t0 = time.perf_counter()
+        loss = evaluate(self.engine, w.eval_dataset, w.loss_sum, self.cfg.batch.micro_batch_size, ctx.world_size, ctx.rank,
+                        self.cfg.eval.max_batches)
+        self.window_t0 += time.perf_counter() - t0  # evaluation is not training time
+        return loss
+
+    def log(self, lr: float, losses: list, eval_loss: float | None = None) -> None:
         import torch
         from torch import distributed as dist
 
         step = self.step
-        if step == 1 or step % self.cfg.logging.every_steps == 0 or step == self.cfg.steps:
+        if eval_loss is not None or step == 1 or step % self.cfg.logging.every_steps == 0 or step == self.cfg.steps:
             loss = torch.stack(losses).mean().float()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             self.last_loss = float(loss)
             now = time.perf_counter()
-            self.hb.metric(step, self.last_loss, lr, self.items_per_step * self.window_steps / max(now - self.window_t0, 1e-9))
+            self.hb.metric(step, self.last_loss, lr, self.items_per_step * self.window_steps / max(now - self.window_t0, 1e-9),
+                           eval_loss=eval_loss)
             self.window_t0, self.window_steps = now, 0
 
     def save(self, why: str, final: bool = False) -> None:

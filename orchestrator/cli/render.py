@@ -34,6 +34,7 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
                     "restarts": sum(a.get("restarts") or 0 for a in mine),
                     "step": t["step"],
                     "loss": t["loss"],
+                    "eval_loss": t.get("eval_loss"),
                     "throughput": t["throughput"],
                     "heartbeat_age_s": round(now - t["heartbeat_at"], 1) if t["heartbeat_at"] else None,
                     "nodes": (last.get("nodes") or t["nodes"] or "").split(",") if (last.get("nodes") or t["nodes"]) else [],
@@ -76,7 +77,7 @@ def status_tables(doc: dict) -> list[Table]:
         )
         if exp["watcher"] is None and exp["state"] not in ("COMPLETED", "FAILED", "CANCELLED"):
             t.caption = "no watcher: hangs and failures are recovered only while `orchestrate watch` runs"
-        for col in ("task", "params", "state", "att", "rst", "step", "loss", "thru/s", "hb age", "nodes", "checkpoint", "reason"):
+        for col in ("task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "hb age", "nodes", "checkpoint", "reason"):
             t.add_column(col, overflow="fold")
         for task in exp["tasks"]:
             params = ", ".join(f"{k}={v}" for k, v in task["params"].items()) or "-"
@@ -88,6 +89,7 @@ def status_tables(doc: dict) -> list[Table]:
                 str(task["restarts"]),
                 _fmt(task["step"]),
                 _fmt(task["loss"], ".4f"),
+                _fmt(task["eval_loss"], ".4f"),
                 _fmt(task["throughput"], ",.0f"),
                 _fmt(task["heartbeat_age_s"], ".0f") + ("s" if task["heartbeat_age_s"] is not None else ""),
                 ",".join(task["nodes"]) or "-",

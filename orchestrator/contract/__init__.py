@@ -14,6 +14,7 @@ Everything public is also importable from the package itself (``contract.ExitCod
 from . import envvars
 from .checkpoint import (
     CHECKPOINT_FORMAT,
+    HF_EXPORT,
     MANIFEST,
     STEP_PREFIX,
     TMP_PREFIX,
@@ -92,6 +93,7 @@ __all__ = [
     "ExitCode",
     "FailureKind",
     "GenerationAction",
+    "HF_EXPORT",
     "MANIFEST",
     "STEP_PREFIX",
     "TMP_PREFIX",

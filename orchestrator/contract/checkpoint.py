@@ -20,6 +20,7 @@ from .files import atomic_write_json, fsync_dir, read_json
 from .layout import checkpoints_dir
 
 MANIFEST = "manifest.json"
+HF_EXPORT = "hf.json"  # in a checkpoint of a Hugging Face model: its base folder and adapter settings
 CHECKPOINT_FORMAT = 1
 STEP_PREFIX = "step-"  # a committed checkpoint's folder: step-<9 digits>
 TMP_PREFIX = ".tmp-"  # a save in progress (or killed): .tmp-step-<9 digits>

@@ -102,6 +102,12 @@ class Heartbeat:
     save_timeout_s: float = 1800.0
 
 
+@dataclass(frozen=True)
+class Eval:
+    every_steps: int | None = None
+    max_batches: int | None = None
+
+
 _SECTIONS = {
     "resources": Resources,
     "optimizer": Optimizer,
@@ -111,6 +117,7 @@ _SECTIONS = {
     "checkpoint": Checkpoint,
     "retry": Retry,
     "heartbeat": Heartbeat,
+    "eval": Eval,
 }
 _MAPPINGS = ("model", "data", "engine")
 
@@ -168,6 +175,7 @@ class TaskConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     retry: Retry = field(default_factory=Retry)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    eval: Eval = field(default_factory=Eval)
     deepspeed_config: Mapping[str, Any] | None = None
     contract: int = CONTRACT_VERSION
 

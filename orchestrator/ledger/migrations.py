@@ -139,10 +139,16 @@ def _m003_recovery(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m004_eval(db: sqlite_utils.Database) -> None:
+    db["metrics"].add_column("eval_loss", float)  # the held-out loss, at the steps it was computed
+    db["tasks"].add_column("eval_loss", float)  # the newest of them
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
     ("003_recovery", _m003_recovery),
+    ("004_eval", _m004_eval),
 ]
 
 

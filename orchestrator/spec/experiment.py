@@ -10,6 +10,7 @@ import re
 from pydantic import Field, field_validator, model_validator
 
 from orchestrator.spec.engines import DDPEngine, EngineSpec
+from orchestrator.spec.hf import Eval
 from orchestrator.spec.sections import (
     Batch,
     Checkpoint,
@@ -32,8 +33,8 @@ class Spec(Strict):
     workdir: str | None = Field(
         None, description="Where run folders are created; relative to the current directory. Default: `$ORCHESTRATE_HOME/runs`."
     )
-    model: ModelSpec = Field(default_factory=GPTModel, description="The model: `kind: gpt` or `kind: entrypoint`.")
-    data: DataSpec = Field(default_factory=SyntheticData, description="The data: `kind: synthetic` or `kind: text`.")
+    model: ModelSpec = Field(default_factory=GPTModel, description="The model: `kind: gpt`, `hf`, `entrypoint` or `script`.")
+    data: DataSpec = Field(default_factory=SyntheticData, description="The data: `kind: synthetic`, `text` or `jsonl`.")
     engine: EngineSpec = Field(default_factory=DDPEngine, description="The parallelism engine.")
     optimizer: Optimizer = Field(default_factory=Optimizer, description="Optimizer.")
     schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate schedule.")
@@ -47,6 +48,7 @@ class Spec(Strict):
     retry: Retry = Field(default_factory=Retry, description="Retry policy.")
     heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="Heartbeats and hang detection.")
     logging: Logging = Field(default_factory=Logging, description="Metric logging.")
+    eval: Eval = Field(default_factory=Eval, description="Evaluation on the held-out split (`data.eval_path` or `eval_fraction`).")
 
     @field_validator("name")
     @classmethod
@@ -78,6 +80,7 @@ class Spec(Strict):
             b.grad_accum = 1
         if b.global_batch_size is None:
             b.global_batch_size = per_step * b.grad_accum
+        self._workload_pairs()
         if self.checkpoint.async_save and self.engine.kind == "deepspeed":
             raise FieldError(("checkpoint", "async_save"), "DeepSpeed saves synchronously; async_save is for ddp and fsdp (DCP)")
         if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:
@@ -91,6 +94,17 @@ class Spec(Strict):
                 "hybrid shards within a node and replicates across nodes; with resources.nodes: 1 use `full`",
             )
         return self
+
+    def _workload_pairs(self) -> None:
+        m, d = self.model.kind, self.data.kind
+        if m == "hf" and d != "jsonl":
+            raise FieldError(("data", "kind"), "a `kind: hf` model trains on `kind: jsonl` data (chat or instruction records)")
+        if d == "jsonl" and m != "hf":
+            raise FieldError(("model", "kind"), "`kind: jsonl` data is rendered with a tokenizer: use a `kind: hf` model")
+        if self.eval.every_steps is not None and not (d == "jsonl" and (self.data.eval_path or self.data.eval_fraction)):
+            raise FieldError(("eval", "every_steps"), "there is no held-out split: set data.eval_path or data.eval_fraction")
+        if m == "hf" and self.model.qlora is not None and self.engine.kind == "fsdp":
+            raise FieldError(("model", "qlora"), "FSDP2 cannot shard 4-bit weights here; use engine ddp or deepspeed")
 
 
 # Fields a sweep may not vary: one job array shares one name, folder and resource request.

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, field_validator, model_validator
 
+from orchestrator.spec.hf import HFModel, JsonlData
 from orchestrator.spec.strict import Strict, kind_discriminator
 
 
@@ -65,6 +66,7 @@ ModelSpec = Annotated[
         Annotated[GPTModel, Tag("gpt")],
         Annotated[EntrypointModel, Tag("entrypoint")],
         Annotated[ScriptModel, Tag("script")],
+        Annotated[HFModel, Tag("hf")],
     ],
     kind_discriminator("gpt"),
 ]
@@ -88,6 +90,10 @@ class TextData(Strict):
 
 
 DataSpec = Annotated[
-    Union[Annotated[SyntheticData, Tag("synthetic")], Annotated[TextData, Tag("text")]],
+    Union[
+        Annotated[SyntheticData, Tag("synthetic")],
+        Annotated[TextData, Tag("text")],
+        Annotated[JsonlData, Tag("jsonl")],
+    ],
     kind_discriminator("synthetic"),
 ]

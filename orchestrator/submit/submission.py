@@ -18,12 +18,19 @@ from orchestrator.submit.plan import Plan, build_plan
 
 def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
     spec, raw, lines = load_spec(spec_path, overrides)
+    here = Path(spec_path).resolve().parent
     if spec.model.kind == "script":  # the compute nodes need its absolute path
-        script = (Path(spec_path).resolve().parent / Path(spec.model.script).expanduser()).resolve()
+        script = (here / Path(spec.model.script).expanduser()).resolve()
         if not script.is_file():
             raise UserError(f"{spec_path}: model.script: no file '{script}'")
         spec.model.script = str(script)
         set_path(raw, ("model", "script"), str(script))
+    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
+        obj = getattr(spec, section)
+        if obj.kind in ("hf", "jsonl") and getattr(obj, key, None):  # absolute, as the compute nodes need them
+            absolute = str((here / Path(getattr(obj, key)).expanduser()).resolve())
+            setattr(obj, key, absolute)
+            set_path(raw, (section, key), absolute)
     tasks = expand(spec, raw, lines, str(spec_path))
     executor = executor or default_executor()
     workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"

@@ -15,7 +15,7 @@ from orchestrator.supervise.launches import LaunchRecord
 
 
 _HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "time")
-_METRIC_FIELDS = ("loss", "lr", "throughput", "time")
+_METRIC_FIELDS = ("loss", "lr", "throughput", "eval_loss", "time")
 
 
 def read_heartbeats(task_dir: str | Path) -> list[dict]:
@@ -42,6 +42,9 @@ def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], 
     if metrics:
         last = max(metrics, key=lambda r: r["step"])
         fields.update(loss=last["loss"], throughput=last["throughput"])
+        evaluated = [r for r in metrics if r.get("eval_loss") is not None]
+        if evaluated:
+            fields["eval_loss"] = max(evaluated, key=lambda r: r["step"])["eval_loss"]
     return fields
 
 

@@ -17,7 +17,13 @@ from train_entry.engines.base import Engine, apply_activation_checkpointing, lay
 __all__ = ["Engine", "build_engine"]
 
 
-def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None) -> Engine:
+def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None, trainable_only: bool = False) -> Engine:
+    engine = _build(cfg, model, device, resume)
+    engine.trainable_only = trainable_only
+    return engine
+
+
+def _build(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume) -> Engine:
     kind = cfg.engine["kind"]
     if cfg.engine["activation_checkpointing"]:
         apply_activation_checkpointing(model, layer_units(model, cfg.engine.get("wrap")))  # wrap: fsdp's only

@@ -9,11 +9,18 @@ import torch.nn as nn
 from orchestrator import contract
 
 
+def forward(model: nn.Module, inputs: Any) -> Any:
+    """A batch is a tensor (the built-in models) or keyword arguments (Hugging Face models)."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
 class Engine:
     """The interface every engine implements."""
 
     device: torch.device
     model: nn.Module
+    # frozen weights (LoRA's base) come from the model folder at every launch: not saved
+    trainable_only: bool = False
 
     def micro_step(self, inputs: Any, targets: Any, loss_fn: Callable, accum: int, last: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the detached, unscaled loss."""
@@ -52,9 +59,10 @@ class DCPState:
     _async_group = None
 
     def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        opts = StateDictOptions(ignore_frozen_params=self.trainable_only)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
         return {"model": model_sd, "optim": optim_sd}
 
     def save_state(self, folder, asynchronous: bool = False):
@@ -74,11 +82,12 @@ class DCPState:
 
     def load_state(self, folder, same_world: bool) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not self.trainable_only))
 
 
 class TorchOptimizerStep:
@@ -97,8 +106,14 @@ class TorchOptimizerStep:
 
 
 def layer_units(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
-    """The repeated blocks of a model: modules of the named classes, else the items
-    of its ModuleLists (the transformer blocks of most models, ours included)."""
+    """The repeated blocks of a model: modules of the named classes, else those a Hugging
+    Face model names as never to be split (``_no_split_modules``: its decoder layer), else
+    the items of its ModuleLists (the transformer blocks of most models, ours included)."""
+    if not class_names:
+        for m in model.modules():
+            if getattr(m, "_no_split_modules", None):
+                class_names = list(m._no_split_modules)
+                break
     if class_names:
         return [m for m in model.modules() if type(m).__name__ in class_names]
     units = []

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator import contract
 
-from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, autocast, make_optimizer
+from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, autocast, forward, make_optimizer
 
 
 class DDPEngine(DCPState, TorchOptimizerStep, Engine):
@@ -18,6 +18,10 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
         self.precision = cfg.engine["precision"]
         model = model.to(device)
         ids = [device.index] if device.type == "cuda" else None
+        # every rank loaded the frozen weights from the same folder: nothing to broadcast or reduce
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
         self.model = DistributedDataParallel(
             model,
             device_ids=ids,
@@ -32,6 +36,6 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
         ctx = contextlib.nullcontext() if last else self.model.no_sync()
         with ctx:
             with autocast(self.device, self.precision):
-                loss = loss_fn(self.model(inputs), targets)
+                loss = loss_fn(forward(self.model, inputs), targets)
             (loss / accum).backward()
         return loss.detach().float()

@@ -20,7 +20,7 @@ import torch
 from orchestrator import contract
 
 from orchestrator.contract import thaw
-from train_entry.engines.base import Engine, make_optimizer, set_lr
+from train_entry.engines.base import Engine, forward, make_optimizer, set_lr
 
 
 def _skip_unneeded_op_builds(device: torch.device) -> None:
@@ -75,7 +75,7 @@ class DeepSpeedEngine(Engine):
         )
 
     def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
-        loss = loss_fn(self.model(inputs), targets)
+        loss = loss_fn(forward(self.model, inputs), targets)
         self.model.backward(loss)  # DeepSpeed scales by 1/accum and by the fp16 loss scale
         if not last:
             self.model.step()  # bookkeeping only: not an accumulation boundary
@@ -90,16 +90,18 @@ class DeepSpeedEngine(Engine):
     def save_state(self, folder, asynchronous: bool = False):
         # save_latest=False: DeepSpeed's `latest` pointer is written by rank 0 alone and not
         # atomically; our manifest is what marks a checkpoint complete.
-        self.model.save_checkpoint(str(Path(folder) / "deepspeed"), tag=TAG, save_latest=False)
+        self.model.save_checkpoint(str(Path(folder) / "deepspeed"), tag=TAG, save_latest=False,
+                                   exclude_frozen_parameters=self.trainable_only)
         return None
 
     def load_state(self, folder, same_world: bool) -> None:
         src = Path(folder) / "deepspeed"
         if self.universal:
             src = self._universal(Path(folder))
-            self.model.load_checkpoint(str(src), tag=TAG, load_lr_scheduler_states=False)
+            self.model.load_checkpoint(str(src), tag=TAG, load_lr_scheduler_states=False, load_module_strict=not self.trainable_only)
             return
-        self.model.load_checkpoint(str(src), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        self.model.load_checkpoint(str(src), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+                                   load_module_strict=not self.trainable_only)
 
     def _universal(self, folder: Path) -> Path:
         """DeepSpeed's universal checkpoint of ``folder`` (converted once, by rank 0, into

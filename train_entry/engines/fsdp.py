@@ -12,7 +12,7 @@ from torch import distributed as dist
 
 from orchestrator import contract
 
-from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, layer_units, make_optimizer
+from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, forward, layer_units, make_optimizer
 
 
 def device_mesh(device: torch.device, sharding: str, per_node: int):
@@ -51,6 +51,6 @@ class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
     def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
         # reduce-scatter gradients only on the last micro-batch of a step
         self.model.set_requires_gradient_sync(last)
-        loss = loss_fn(self.model(inputs), targets)
+        loss = loss_fn(forward(self.model, inputs), targets)
         (loss / accum).backward()
         return loss.detach().float()

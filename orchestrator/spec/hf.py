@@ -1,0 +1,127 @@
+"""Hugging Face fine-tuning in a spec: a causal LM from a local folder (`model: {kind: hf}`),
+chat or instruction records from JSONL (`data: {kind: jsonl}`) and evaluation (`eval`).
+
+Nothing here is downloaded: paths are local folders and files, resolved against the
+spec's folder and checked on the login node before anything is queued
+(``orchestrator.submit.preflight``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from orchestrator.spec.strict import Strict
+
+_MODULE_NAME = re.compile(r"[A-Za-z_][\w.]*")
+
+
+class Lora(Strict):
+    """Low-rank adapters on the named linear layers; the base stays frozen."""
+
+    r: int = Field(16, ge=1, le=4096, description="Rank of the adapters.")
+    alpha: float = Field(32, gt=0, description="Scale numerator: the update is `alpha / r` x B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names (last part of the module path) of the linear layers that get adapters; checked against the "
+        "model before anything is queued.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _MODULE_NAME.fullmatch(name):
+                raise ValueError(f"'{name}' is not a module name (letters, digits, '_' and '.')")
+        return v
+
+
+class Qlora(Lora):
+    """LoRA on a 4-bit base (bitsandbytes): the base is quantised as it loads."""
+
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type of the base weights.")
+    double_quant: bool = Field(True, description="Quantise the quantisation constants too (about 0.4 bit per weight less).")
+    compute_dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Data type the 4-bit weights are computed in.")
+
+
+class Export(Strict):
+    merge_lora: bool = Field(
+        False, description="Also write the base with the adapters merged in (`merged/`), a plain model folder; QLoRA "
+        "merges into the base as stored in the model folder."
+    )
+
+
+class HFModel(Strict):
+    """A causal language model from a local Hugging Face folder (never the hub)."""
+
+    kind: Literal["hf"] = Field(description="`hf`: a Hugging Face causal LM.")
+    path: str = Field(
+        description="Model folder with `config.json` and weights (or a GGUF file, see `gguf_file`); relative to the "
+        "spec's folder, `~` expanded. It must be readable from the compute nodes."
+    )
+    gguf_file: str | None = Field(None, description="Name of a GGUF file inside `path` to load (dequantised) instead of safetensors.")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Data type the weights are loaded and trained in (with `engine.precision: bf16`, fp32 "
+        "master weights and bf16 compute is the usual choice)."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    lora: Lora | None = Field(None, description="Train LoRA adapters only; null: full fine-tuning.")
+    qlora: Qlora | None = Field(None, description="Train LoRA adapters on a 4-bit base (needs bitsandbytes).")
+    export: Export = Field(default_factory=Export, description="What the final model folder holds.")
+
+    @field_validator("gguf_file")
+    @classmethod
+    def _plain_name(cls, v: str | None) -> str | None:
+        if v is not None and (not v or "/" in v or v in (".", "..")):
+            raise ValueError("a file name inside model.path, without folders")
+        return v
+
+    @model_validator(mode="after")
+    def _one_adapter_kind(self) -> "HFModel":
+        if self.lora is not None and self.qlora is not None:
+            raise ValueError("give lora or qlora, not both (qlora is LoRA on a 4-bit base)")
+        if self.export.merge_lora and self.adapter is None:
+            raise ValueError("export.merge_lora needs lora or qlora; a full fine-tune is exported whole anyway")
+        return self
+
+    @property
+    def adapter(self) -> Lora | None:
+        return self.qlora or self.lora
+
+
+class JsonlData(Strict):
+    """Chat (`{"messages": [{"role", "content"}, ...]}`) or instruction (`{"prompt", "completion"}`)
+    records, one JSON object per line, rendered with the tokenizer's chat template. Only the
+    assistant's (completion's) tokens carry loss."""
+
+    kind: Literal["jsonl"] = Field(description="`jsonl`: records from a JSON-lines file.")
+    path: str = Field(description="The training records; relative to the spec's folder, readable from the compute nodes.")
+    format: Literal["chat", "instruction"] = Field("chat", description="`chat`: `messages`; `instruction`: `prompt` and `completion`.")
+    max_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per example (per row when packing); longer ones are truncated and counted.")
+    packing: bool = Field(
+        False, description="Pack several examples into each row of `max_length` tokens; position ids restart per example "
+        "and no example attends to another."
+    )
+    eval_path: str | None = Field(None, description="Held-out records for evaluation (same format).")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="Hold out this fraction of `path` for evaluation instead (a deterministic choice)."
+    )
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "JsonlData":
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("give eval_path or eval_fraction, not both")
+        return self
+
+
+class Eval(Strict):
+    """Evaluation loss on the held-out split during training (every rank takes part)."""
+
+    every_steps: int | None = Field(None, ge=1, description="Evaluate every this many steps and at the end; null: never.")
+    max_batches: int | None = Field(
+        None, ge=1, description="Micro-batches per rank per evaluation; null: the whole split."
+    )

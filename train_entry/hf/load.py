@@ -1,0 +1,150 @@
+"""The tokenizer and the model of ``model: {kind: hf}``, from a local folder only.
+
+The model is loaded in the spec's dtype with the KV cache off (a cache built in training
+lets packed examples attend to each other), put in training mode, and given LoRA
+adapters after the seed is set again, so every rank and every launch starts from the
+same adapters whatever loading consumed of the random stream. Under DeepSpeed ZeRO-3
+the weights are partitioned as they load (``HfDeepSpeedConfig``): no rank ever holds the
+whole model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from orchestrator.contract import thaw
+from train_entry.errors import UserCodeError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserCodeError("model.kind hf needs transformers and peft on the compute nodes: pip install 'orchestrate[hf]'") from None
+    transformers.logging.set_verbosity_error()  # per-rank load chatter; errors still raise
+    return transformers
+
+
+def source_kwargs(mcfg: Mapping[str, Any]) -> dict:
+    kw: dict[str, Any] = {"local_files_only": True}
+    if mcfg.get("gguf_file"):
+        kw["gguf_file"] = mcfg["gguf_file"]
+    return kw
+
+
+def load_tokenizer(mcfg: Mapping[str, Any]):
+    tf = _transformers()
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(mcfg["path"], **source_kwargs(mcfg))
+    except (OSError, ValueError) as exc:
+        raise UserCodeError(f"model.path: cannot load a tokenizer from '{mcfg['path']}': {exc}") from None
+    if getattr(tok, "chat_template", None) is None:
+        raise UserCodeError(f"model.path: the tokenizer in '{mcfg['path']}' has no chat template (data kind jsonl renders with it)")
+    return tok
+
+
+def pad_id(tok) -> int:
+    for v in (tok.pad_token_id, tok.eos_token_id, 0):
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def _quantization(q: Mapping[str, Any]):
+    tf = _transformers()
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserCodeError("model.qlora needs bitsandbytes on the compute nodes: pip install 'orchestrate[qlora]'") from None
+    return tf.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q["quant_type"],
+        bnb_4bit_use_double_quant=q["double_quant"],
+        bnb_4bit_compute_dtype=DTYPES[q["compute_dtype"]],
+    )
+
+
+def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str, Any] | None, activation_checkpointing: bool):
+    """The model to train (a peft model with adapters, or the whole model), and an object
+    to keep alive while DeepSpeed needs it (ZeRO-3's load-time partitioning)."""
+    tf = _transformers()
+    kw = dict(source_kwargs(mcfg), dtype=DTYPES[mcfg["dtype"]], attn_implementation=mcfg["attn_implementation"])
+    qlora = mcfg.get("qlora")
+    if qlora:
+        kw["quantization_config"] = _quantization(qlora)
+    keep = None
+    zero = (deepspeed_config or {}).get("zero_optimization", {})
+    if zero.get("stage") == 3 and not qlora:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(thaw(deepspeed_config))  # from_pretrained sees it: zero.Init, weights partitioned as read
+    try:
+        model = tf.AutoModelForCausalLM.from_pretrained(mcfg["path"], **kw)
+    except (OSError, ValueError) as exc:
+        raise UserCodeError(f"model.path: cannot load a causal LM from '{mcfg['path']}': {exc}") from None
+    model.config.use_cache = False
+    adapter = qlora or mcfg.get("lora")
+    if qlora:
+        import peft
+
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if adapter:
+        import peft
+
+        torch.manual_seed(seed)  # the adapters' initial values: the same on every rank and launch
+        lora = peft.LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
+                               target_modules=list(adapter["target_modules"]), task_type="CAUSAL_LM")
+        try:
+            model = peft.get_peft_model(model, lora)
+        except ValueError as exc:  # a target module the model does not have
+            raise UserCodeError(f"model.lora.target_modules: {exc}") from None
+    model.train()
+    return model, keep
+
+
+def fingerprint(mcfg: Mapping[str, Any]) -> dict:
+    """What identifies the base model: config.json's hash and the weight files' names and
+    sizes (hashing gigabytes at every launch would cost minutes)."""
+    folder = Path(mcfg["path"])
+    out: dict[str, Any] = {}
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        out["config_sha256"] = hashlib.sha256(cfg.read_bytes()).hexdigest()
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")) if folder.is_dir() else []
+    out["weights"] = {p.name: p.stat().st_size for p in weights}
+    return out
+
+
+def export_record(mcfg: Mapping[str, Any], model) -> dict:
+    """``hf.json`` in every checkpoint: how to turn its tensors back into a model folder."""
+    adapter = mcfg.get("qlora") or mcfg.get("lora")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {
+        "format": 1,
+        "base": {"path": str(Path(mcfg["path"]).resolve()), "gguf_file": mcfg.get("gguf_file"), **fingerprint(mcfg)},
+        "model_type": getattr(base.config, "model_type", None),
+        "tie_word_embeddings": bool(getattr(base.config, "tie_word_embeddings", False)),
+        "adapter": None if not adapter else {
+            "r": adapter["r"], "alpha": adapter["alpha"], "dropout": adapter["dropout"],
+            "target_modules": list(adapter["target_modules"]), "qlora": bool(mcfg.get("qlora")),
+        },
+        "merge_lora": bool((mcfg.get("export") or {}).get("merge_lora")),
+        "dtype": mcfg["dtype"],
+    }
+
+
+def describe(model) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return f"{trainable:,} trainable parameters of {total:,}"
+
+
+__all__ = ["describe", "export_record", "fingerprint", "load_model", "load_tokenizer", "pad_id"]
