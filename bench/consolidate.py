@@ -62,9 +62,9 @@ def _zero_rank(rank: int, world: int, stage: int, model_gb: float, tmp: str, por
     import torch
     from torch import distributed as dist
 
-    from train_entry.engines.deepspeed import _skip_unneeded_op_builds
+    from train_entry.engines.deepspeed import skip_unneeded_op_builds
 
-    _skip_unneeded_op_builds(torch.device("cpu"))
+    skip_unneeded_op_builds(torch.device("cpu"))
     import deepspeed
 
     dist.init_process_group("gloo")

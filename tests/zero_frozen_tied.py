@@ -35,9 +35,9 @@ def rank(r: int, stage: int, out: str, port: int) -> None:
                       DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     from torch import distributed as dist
 
-    from train_entry.engines.deepspeed import _skip_unneeded_op_builds
+    from train_entry.engines.deepspeed import skip_unneeded_op_builds
 
-    _skip_unneeded_op_builds(torch.device("cpu"))
+    skip_unneeded_op_builds(torch.device("cpu"))
     import deepspeed
 
     dist.init_process_group("gloo")

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from orchestrator.contract import thaw
 from train_entry.engines.base import Engine, forward, make_optimizer, set_lr
 
 
-def _skip_unneeded_op_builds(device: torch.device) -> None:
+def skip_unneeded_op_builds(device: torch.device) -> None:
     """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory
     all-reduce op with g++ on first use (40-50 s per fresh machine); only inference
     uses it. Returning None is DeepSpeed's own path for "op not available"."""
@@ -54,7 +55,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device, resume=None):
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        _skip_unneeded_op_builds(device)
+        skip_unneeded_op_builds(device)
         import deepspeed
 
         self.device = device
@@ -87,7 +88,17 @@ class DeepSpeedEngine(Engine):
 
     # ------------------------------------------------------------ checkpoints
 
+    def _trainable_module_state(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """DeepSpeed's module_state_dict, of the trainable parameters only, without asking every
+        module for its state: a 4-bit base (QLoRA) cannot give one while ZeRO-3 partitions it,
+        and the frozen base comes from the model folder at every launch anyway."""
+        return OrderedDict(
+            (prefix + n, p if keep_vars else p.detach()) for n, p in self.model.module.named_parameters() if p.requires_grad
+        )
+
     def save_state(self, folder, asynchronous: bool = False):
+        if self.trainable_only:
+            self.model.module_state_dict = self._trainable_module_state
         # save_latest=False: DeepSpeed's `latest` pointer is written by rank 0 alone and not
         # atomically; our manifest is what marks a checkpoint complete.
         self.model.save_checkpoint(str(Path(folder) / "deepspeed"), tag=TAG, save_latest=False,

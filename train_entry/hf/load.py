@@ -83,7 +83,16 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
     zero = (deepspeed_config or {}).get("zero_optimization", {})
     if zero.get("stage") == 3 and not qlora:
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+        import deepspeed
+        from torch import distributed as dist
         from transformers.integrations import HfDeepSpeedConfig
+
+        from train_entry.engines.deepspeed import skip_unneeded_op_builds
+
+        skip_unneeded_op_builds(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+        # DeepSpeed's view of the process group we made: its config checks the batch against the world size
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
         keep = HfDeepSpeedConfig(thaw(deepspeed_config))  # from_pretrained sees it: zero.Init, weights partitioned as read
     try:

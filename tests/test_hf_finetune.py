@@ -1,0 +1,180 @@
+"""Fine-tuning a Hugging Face model (model kind hf, data kind jsonl) on every engine.
+
+The model is a tiny random Llama with a byte-level tokenizer (tests/hf/tiny.py), so each
+run takes seconds; the real pretrained model is tested in test_smollm2.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cli, write
+from orchestrator import contract
+from orchestrator.ledger import Ledger
+
+sys.path.insert(0, str(REPO / "tests" / "hf"))
+import tiny  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers") if not __import__("os").environ.get("CI") else None
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny.make_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=64)
+
+
+# ---------------------------------------------------------------- data: masking and packing
+
+
+def _examples(n=6, max_length=64):
+    from train_entry.hf import chat
+
+    tok = tiny.tokenizer()
+    path = tiny.make_chat_data(Path(__import__("tempfile").mkdtemp()) / "d.jsonl", n=n, seed=3)
+    examples, stats = chat.load_examples(tok, str(path), "chat", max_length, seed=0)
+    return tok, examples, stats
+
+
+def test_only_the_answer_tokens_carry_loss():
+    from train_entry.hf.chat import IGNORE
+
+    tok, examples, _ = _examples()
+    for ex in examples:
+        text = tok.decode(ex.input_ids)
+        answer = text.split("<|im_start|>assistant\n")[1]
+        # labels are shifted: label i is the token at i + 1
+        targets = [ex.input_ids[i + 1] for i, lab in enumerate(ex.labels) if lab != IGNORE]
+        assert tok.decode(targets) == answer, (text, tok.decode(targets))
+        assert all(lab == IGNORE or lab == ex.input_ids[i + 1] for i, lab in enumerate(ex.labels))
+
+
+def test_truncation_is_counted_and_an_example_without_answer_left_out(tmp_path):
+    from train_entry.hf import chat
+
+    tok = tiny.tokenizer()
+    path = tmp_path / "d.jsonl"
+    long = {"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "yes"}]}
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a longer answer"}]}
+    path.write_text(json.dumps(long) + "\n" + json.dumps(short) + "\n")
+    examples, stats = chat.load_examples(tok, str(path), "chat", 32, seed=0)
+    assert stats == {"records": 2, "examples": 1, "truncated": 2, "dropped": 1}
+    assert len(examples[0].input_ids) == 32
+
+
+def test_packed_rows_give_each_example_the_loss_it_has_alone(tiny_model):
+    """Position ids restart per example and no example attends to another: the per-token
+    losses of a packed row are those of each example run alone."""
+    from transformers import AutoModelForCausalLM
+
+    from train_entry.hf import chat
+
+    tok, examples, _ = _examples(n=8, max_length=48)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config.use_cache = False
+    model.eval()
+    packed = chat.Packed(examples, 128, tok.pad_token_id)
+    assert len(packed) < len(examples)  # several examples share a row
+    with torch.no_grad():
+        alone = []
+        for ex in examples:
+            inputs, labels = chat.Rows([ex], tok.pad_token_id).collate([ex])
+            logits = model(**inputs).logits
+            alone.append(torch.nn.functional.cross_entropy(logits[0].float(), labels[0], ignore_index=-100, reduction="none"))
+        together = []
+        for r in range(len(packed)):
+            inputs, labels = packed.collate([packed[r]])
+            assert "attention_mask" not in inputs
+            logits = model(**inputs).logits
+            per_token = torch.nn.functional.cross_entropy(logits[0].float(), labels[0], ignore_index=-100, reduction="none")
+            at = 0
+            for ex in packed[r]:
+                together.append(per_token[at : at + len(ex.input_ids)])
+                at += len(ex.input_ids)
+    assert len(together) == len(alone)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_eval_split_is_deterministic_and_disjoint():
+    from orchestrator.contract.chatdata import split_eval
+
+    a, b = split_eval(100, 0.2, seed=1), split_eval(100, 0.2, seed=1)
+    assert a == b and len(a) == 20
+    assert split_eval(100, 0.2, seed=2) != a
+
+
+# ---------------------------------------------------------------- training on every engine
+
+SPEC = """\
+name: hf-resume
+model: {{kind: hf, path: {model}, {adapter}}}
+data: {{kind: jsonl, path: {data}, max_length: 48, packing: {packing}, eval_fraction: 0.25}}
+eval: {{every_steps: 4, max_batches: 2}}
+engine: {engine}
+optimizer: {{lr: 1.0e-2}}
+batch: {{micro_batch_size: 2, grad_accum: 2}}
+steps: 12
+checkpoint: {{every_steps: 3, keep_last: 2}}
+resources: {{tasks_per_node: 2}}
+logging: {{every_steps: 1}}
+heartbeat: {{interval_s: 0.5}}
+sweep: {{grid: {{env.RUN: [plain, interrupted]}}}}
+"""
+
+ENGINES = {
+    "ddp": "{kind: ddp}",
+    "fsdp": "{kind: fsdp}",
+    "zero2": "{kind: deepspeed, stage: 2}",
+    "zero3": "{kind: deepspeed, stage: 3}",
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_lora_interrupted_and_resumed_matches_the_uninterrupted_run_bitwise(home, tmp_path, tiny_model, chat_data, engine):
+    from test_resume import run_and_interrupt
+
+    spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=chat_data, engine=ENGINES[engine],
+                                                    adapter="lora: {r: 4, alpha: 8, dropout: 0.1}", packing="true"))
+    exp = run_and_interrupt(home, spec, 6)
+    assert exp["state"] == "COMPLETED", exp
+    ledger = Ledger.open(home / "ledger.db")
+    plain = {m["step"]: (m["loss"], m["eval_loss"]) for m in ledger.metrics(exp["id"], 0)}
+    resumed = {m["step"]: (m["loss"], m["eval_loss"]) for m in ledger.metrics(exp["id"], 1)}
+    assert sorted(plain) == sorted(resumed) == list(range(1, 13))
+    assert resumed == plain, [(s, plain[s], resumed[s]) for s in plain if plain[s] != resumed[s]]
+    assert [s for s, (_, e) in plain.items() if e is not None] == [4, 8, 12]
+    assert plain[12][0] < plain[1][0] and plain[12][1] < plain[4][1]  # the loss and the eval loss fall
+    assert [a["state"] for a in ledger.attempts(exp["id"], 1)] == ["REQUEUED", "COMPLETED"]
+    # LoRA checkpoints hold the adapters only: the frozen base comes from the model folder
+    _, ckpt = contract.committed_checkpoints(contract.task_dir(exp["run_dir"], 1))[0]
+    assert json.loads((ckpt / "hf.json").read_text())["adapter"]["r"] == 4
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    base = (tiny_model / "model.safetensors").stat().st_size
+    assert size < base, (size, base)
+
+
+@pytest.mark.multiproc
+def test_full_fine_tune_and_qlora_train_with_the_eval_loss_in_status(home, tmp_path, tiny_model, chat_data):
+    spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=chat_data, engine="{kind: ddp}",
+                                                    adapter="lora: null", packing="false"))
+    out = cli("submit", str(spec), "--executor", "local", "--set", 'sweep={grid: {model.qlora: [null, {r: 4, alpha: 8, compute_dtype: fp32}]}}', "--wait", "--json", home=home)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    exp = json.loads(out.stdout)["experiments"][0]
+    ledger = Ledger.open(home / "ledger.db")
+    for task in exp["tasks"]:
+        assert task["state"] == "COMPLETED" and task["eval_loss"] is not None, task
+        losses = [m["loss"] for m in ledger.metrics(exp["id"], task["index"])]
+        assert losses[-1] < losses[0] - 0.1, losses
+    log = cli("logs", "hf-resume", "--task", "1", "--rank", "0", home=home).stdout
+    assert "trainable parameters of" in log
