@@ -96,3 +96,152 @@ def test_plan_command_text_and_json(home):
     bad = cli("plan", "configs/quickstart.yaml", "--gpu-memory", "lots", home=home)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu-memory") and "Traceback" not in bad.stderr
     assert not (home / "ledger.db").exists()  # planning records nothing
+
+
+# ---------------------------------------------------------------- model kind hf
+
+
+def _hf_libs():
+    if not os.environ.get("CI"):  # CI installs the hf extra, so there it must run
+        pytest.importorskip("transformers")
+        pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    import sys
+
+    from conftest import REPO
+
+    _hf_libs()
+    sys.path.insert(0, str(REPO / "tests" / "hf"))
+    import tiny
+
+    base = tmp_path_factory.mktemp("tiny")
+    return {tie: tiny.make_model(base / f"tie-{tie}", layers=3, tie=tie) for tie in (True, False)}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_shape_from_the_config_is_the_loaded_models(tiny_models, tie):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.submit import hf_shape
+
+    real = AutoModelForCausalLM.from_pretrained(tiny_models[tie])
+    shape = hf_shape.shape_of_model(hf_shape.meta_model(tiny_models[tie]))
+    assert shape.params == sum(p.numel() for p in real.parameters())  # tied embeddings once
+    assert shape.largest_layer == max(sum(p.numel() for p in m.parameters(recurse=False)) for m in real.modules())
+    assert shape.unit == sum(p.numel() for p in real.model.layers[0].parameters())
+    linear = {n: m for n, m in real.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert shape.linear == {n: (m.in_features, m.out_features) for n, m in linear.items()}
+    assert shape.quantizable == sum(m.weight.numel() for n, m in linear.items() if n != "lm_head")
+    assert (shape.layers, shape.d_model, shape.n_head, shape.max_positions) == (3, 64, 4, 1024)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj", "lm_head"],
+                                     ["self_attn.o_proj", "embed_tokens"]])
+def test_lora_trainable_count_is_peft_s(tiny_models, targets):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.submit import hf_shape
+
+    real = AutoModelForCausalLM.from_pretrained(tiny_models[False])
+    wrapped = peft.get_peft_model(real, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+    expected = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert hf_shape.lora_trainable(tiny_models[False], None, 4, 8, targets) == (expected, "peft")
+    assert hf_shape.lora_by_shapes(hf_shape.meta_model(tiny_models[False]), 4, targets) == expected  # without peft
+
+
+def _hf_spec_file(tmp_path, model):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    spec = tmp_path / "hf.yaml"
+    spec.write_text(f"name: p\nsteps: 2\nmodel: {{kind: hf, path: {model}}}\ndata: {{kind: jsonl, path: {data}, format: instruction}}\n")
+    return spec
+
+
+def _hf_spec(tmp_path, model, **sets):
+    from orchestrator.spec.load import load_spec
+
+    return load_spec(_hf_spec_file(tmp_path, model), [f"{k}={v}" for k, v in sets.items()])[0]
+
+
+def test_plan_of_an_hf_model_counts_states_for_what_trains(tiny_models, tmp_path):
+    from orchestrator.submit import hf_shape
+    from orchestrator.submit.memory_plan import setting_of, shape_of
+
+    model = tiny_models[False]
+    P = hf_shape.shape_of_model(hf_shape.meta_model(model)).params
+
+    def ddp(**sets):
+        spec = _hf_spec(tmp_path, model, **sets)
+        shape = shape_of(spec)
+        by = by_name(shape, setting_of(spec))
+        return shape, by["ddp"], by
+
+    shape, full, _ = ddp(**{"model.dtype": "bf16"})  # full fine-tune in bf16: weights, grads and moments in bf16
+    assert shape.trainable is None and shape.params == P
+    assert (full.params, full.grads, full.optimizer) == (2 * P, 2 * P, 4 * P)
+    shape, lora, by = ddp(**{"model.lora": "{r: 4, target_modules: [q_proj, v_proj]}"})
+    T = shape.trainable
+    assert shape.method == "lora" and T == hf_shape.lora_trainable(model, None, 4, 32, ["q_proj", "v_proj"])[0]
+    assert (lora.params, lora.grads, lora.optimizer) == (4 * P + 4 * T, 4 * T, 8 * T)  # Adam for the adapters only
+    # DeepSpeed (bf16) casts the frozen base to 16 bits; ZeRO-3 partitions it, ZeRO-1 the adapters' states only
+    shape, _, by = ddp(**{"model.lora": "{r: 4}", "engine.precision": "bf16", "resources.tasks_per_node": 4})
+    T = shape.trainable
+    assert by["zero1"].params == 2 * P + 2 * T and by["zero1"].optimizer == 12 * T // 4
+    assert by["zero3"].params == 2 * P // 4 + 2 * T // 4
+    shape, q, by = ddp(**{"model.qlora": "{r: 4}", "model.dtype": "bf16"})
+    assert shape.method == "qlora" and not any(n.startswith("fsdp") for n in by)  # the spec refuses FSDP with QLoRA
+    assert shape.quantized == sum(i * o for n, (i, o) in hf_shape.shape_of_model(hf_shape.meta_model(model)).linear.items()
+                                  if n != "lm_head")
+
+
+def test_qlora_base_bytes_are_what_bitsandbytes_stores(tiny_models, tmp_path):
+    """The 4-bit accounting (4.5 bits a weight, about 4.13 with double quantisation; fp32
+    for the rest after peft's preparation) against a model bitsandbytes quantised."""
+    _hf_libs()
+    pytest.importorskip("bitsandbytes")
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from orchestrator.submit.memory_plan import setting_of, shape_of
+
+    model = tiny_models[False]
+    for dq in (True, False):
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=dq,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+        try:
+            real = AutoModelForCausalLM.from_pretrained(model, quantization_config=q, dtype=torch.bfloat16, device_map="cpu")
+        except (RuntimeError, ImportError, ValueError) as exc:  # no 4-bit backend for this machine
+            pytest.skip(f"bitsandbytes cannot quantise here: {exc}")
+        real = peft.prepare_model_for_kbit_training(real, use_gradient_checkpointing=False)
+        real = peft.get_peft_model(real, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        measured = 0
+        for p in real.parameters():
+            measured += p.numel() * p.element_size()
+            if type(p).__name__ == "Params4bit":
+                qs = p.quant_state
+                measured += qs.absmax.numel() * qs.absmax.element_size()
+                if qs.nested:
+                    measured += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+        spec = _hf_spec(tmp_path, model, **{"model.qlora": f"{{r: 4, target_modules: [q_proj, v_proj], double_quant: {str(dq).lower()}}}",
+                                            "model.dtype": "bf16"})
+        est = by_name(shape_of(spec), setting_of(spec))["ddp"]
+        assert abs(est.params - measured) <= 0.01 * measured, (dq, est.params, measured)
+
+
+def test_plan_command_for_an_hf_model(home, tiny_models, tmp_path):
+    _hf_libs()
+    spec = _hf_spec_file(tmp_path, tiny_models[True])
+    out = cli("plan", str(spec), "--set", "model.lora={r: 4}", "--gpu-memory", "8G", "--json", home=home)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["model"]["method"] == "lora" and doc["model"]["counted_by"] == "meta, adapters by peft"
+    text = cli("plan", str(spec), "--set", "model.lora={r: 4}", "--gpu-memory", "8G", home=home)
+    assert text.returncode == 0 and text.stderr == "", text.stderr
+    assert "LoRA: trainable " in text.stdout and "frozen, fp32" in text.stdout and "recommended: ddp" in text.stdout
+    assert not (home / "ledger.db").exists()

@@ -107,6 +107,14 @@ def event_line(e: dict) -> str:
     return f"{when}  {who:<20} {e['kind']:<22}{change}  {e['cause']}"
 
 
+def count(n: int) -> str:
+    """1.8M, 134.5M, 6.7B: a parameter count for people."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f}{unit}"
+    return str(n)
+
+
 def memory_plan_tables(doc: dict) -> list:
     """`orchestrate plan` as a table of engines and the recommendation under it."""
     from rich.text import Text
@@ -115,8 +123,16 @@ def memory_plan_tables(doc: dict) -> list:
 
     s, m, rec = doc["setting"], doc["model"], doc["recommendation"]
     gpu = human(s["gpu_memory"]) if s["gpu_memory"] else "not given"
+    what = f"{m['params'] / 1e6:,.1f} M parameters"
+    if m.get("method", "full") != "full":  # LoRA / QLoRA: what trains, and how the base is stored
+        base = f"{m['quant_bits']:.2f}-bit" if m["method"] == "qlora" else {4: "fp32", 2: "16-bit"}[m["weight_bytes"]]
+        total = m["params"] + m["trainable"]
+        what = (f"{'QLoRA' if m['method'] == 'qlora' else 'LoRA'}: trainable {count(m['trainable'])} of {count(total)} "
+                f"parameters ({100 * m['trainable'] / total:.2f} %; the base's {count(m['params'])} frozen, {base})")
+    elif m.get("weight_bytes", 4) != 4:
+        what += " in 16-bit"
     title = (
-        f"{m['params'] / 1e6:,.1f} M parameters, {s['nodes']} node(s) x {s['gpus_per_node']} GPU(s), "
+        f"{what}, {s['nodes']} node(s) x {s['gpus_per_node']} GPU(s), "
         f"micro-batch {s['micro_batch']} x {s['grad_accum']} accumulation, {s['precision']}, GPU memory {gpu}"
     )
     t = Table(title=title, title_justify="left")

@@ -57,10 +57,12 @@ def read_records(path: str | Path, fmt: str) -> Iterator[tuple[int, list[dict]]]
     except OSError as exc:
         raise RecordError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with fh:
-        for n, raw in enumerate(fh, 1):
+        n = 0
+        while raw := fh.readline(MAX_LINE_BYTES + 1):  # a line without its end is never read whole
+            n += 1
             where = f"{path}:{n}"
             if len(raw) > MAX_LINE_BYTES:
-                raise RecordError(f"{where}: a line of {len(raw):,} bytes (at most {MAX_LINE_BYTES:,})")
+                raise RecordError(f"{where}: a line longer than {MAX_LINE_BYTES:,} bytes (no record is that long: a damaged file?)")
             if not raw.strip():
                 continue
             try:
@@ -70,9 +72,14 @@ def read_records(path: str | Path, fmt: str) -> Iterator[tuple[int, list[dict]]]
             yield n, to_messages(record, fmt, where)
 
 
+def held_out_count(n: int, fraction: float) -> int:
+    """How many of n records ``split_eval`` holds out (the login node checks both sides)."""
+    return max(1, round(n * fraction)) if n > 1 else 0
+
+
 def split_eval(n: int, fraction: float, seed: int = 0) -> set[int]:
     """Positions (0-based, of n records) held out for evaluation: a fixed function of the
     record's position and the seed, so every rank and every launch agrees."""
-    k = max(1, round(n * fraction)) if n > 1 else 0
+    k = held_out_count(n, fraction)
     ranked = sorted(range(n), key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).digest())
     return set(ranked[:k])

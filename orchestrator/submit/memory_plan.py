@@ -24,6 +24,21 @@ layer recomputed at a time; the logits add s·b·V·(e + 4).
 
 Communication is per rank and optimizer step, ring collectives ((N-1)/N of the
 data each way), with G micro-batches per step.
+
+A Hugging Face model (``kind: hf``) is counted from its config on the meta device
+(``orchestrator.submit.hf_shape``). Its weights load in ``model.dtype`` (e bytes), and
+the states above apply to the T parameters that train, Adam's moments in their dtype:
+all of them for a full fine-tune, the adapters under LoRA (fp32, as peft makes them).
+The frozen rest costs only its weights: e bytes each, 2 under DeepSpeed's mixed
+precision (it casts the whole module), sharded as the engine shards parameters. Under
+QLoRA the linear layers but the output head are stored in 4 bits (4.5 bits per weight
+with the fp32 block scales, about 4.13 with double quantisation) and the other frozen
+weights in fp32 (peft's preparation upcasts them); the 4-bit weights are counted as
+replicated on every rank, and FSDP does not apply. Gradients (and their communication)
+cover only T; gathers of parameters cover all of them. Activations use the same
+formula with the model's layers, width, heads and vocabulary and data.max_length
+tokens (an upper bound without packing; an estimate for gated MLPs), without the
+attention scores' term under ``attn_implementation: sdpa`` (its kernels never store them).
 """
 
 from __future__ import annotations
@@ -44,6 +59,35 @@ class Shape:
     n_head: int | None = None
     seq_len: int | None = None
     vocab: int | None = None
+    # what trains and how the weights are stored (the built-in model: all, fp32)
+    trainable: int | None = None  # parameters with gradients and optimizer state; None: all
+    method: str = "full"  # full | lora | qlora
+    weight_bytes: int = 4  # per parameter as loaded (model.dtype)
+    trainable_bytes: int = 4  # per trainable parameter (and per Adam moment)
+    quantized: int = 0  # frozen weights stored in 4 bits (QLoRA)
+    quant_bits: float = 0.0
+    activation_bytes: int | None = None  # None: from the precision
+    fused_attention: bool = False  # attention scores never stored (SDPA's flash / memory-efficient kernels)
+    counted_by: str = "formula"  # how the parameters were counted
+
+    @property
+    def train_params(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+    @property
+    def frozen_params(self) -> int:
+        """The base under LoRA (``params``; the adapters come on top of it), else none."""
+        return self.params if self.method != "full" else self.params - self.train_params
+
+    @property
+    def all_params(self) -> int:
+        return self.frozen_params + self.train_params
+
+    def frozen_bytes(self, cast_16bit: bool) -> int:
+        """Bytes of the weights that do not train (DeepSpeed's mixed precision casts them to 16 bits)."""
+        rest = self.frozen_params - self.quantized
+        per = 2 if cast_16bit else (4 if self.method == "qlora" else self.weight_bytes)
+        return rest * per + int(self.quantized * self.quant_bits / 8)
 
 
 def gpt_shape(vocab: int, seq_len: int, d: int, layers: int, heads: int) -> Shape:
@@ -127,12 +171,13 @@ def _adam_bytes(optimizer: str) -> int:
 
 
 def activations(shape: Shape, s: Setting) -> tuple[int | None, int | None]:
-    """(without, with activation checkpointing) bytes per device, built-in model only."""
+    """(without, with activation checkpointing) bytes per device; None for an entry-point model."""
     if shape.layers is None:
         return None, None
-    e = 4 if s.precision == "fp32" else 2
+    e = shape.activation_bytes or (4 if s.precision == "fp32" and shape.weight_bytes == 4 else 2)
     sbh = shape.seq_len * s.micro_batch * shape.d_model
-    per_layer = int(sbh * (34 + 5 * shape.n_head * shape.seq_len / shape.d_model) * e / 2)
+    scores = 0 if shape.fused_attention else 5 * shape.n_head * shape.seq_len / shape.d_model
+    per_layer = int(sbh * (34 + scores) * e / 2)
     logits = shape.seq_len * s.micro_batch * shape.vocab * (e + 4)
     full = shape.layers * per_layer + logits
     checkpointed = shape.layers * sbh * e + per_layer + logits
@@ -140,31 +185,35 @@ def activations(shape: Shape, s: Setting) -> tuple[int | None, int | None]:
 
 
 def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
-    """One candidate's figures; None when it does not apply (hybrid on one node)."""
-    P, N, G = shape.params, s.world, s.grad_accum
+    """One candidate's figures; None when it does not apply (hybrid on one node, FSDP under QLoRA)."""
+    P, T, N, G = shape.all_params, shape.train_params, s.world, s.grad_accum
     ring = (N - 1) / N if N > 1 else 0.0
     mixed = s.precision != "fp32"
-    opt = _adam_bytes(s.optimizer)
+    et = shape.trainable_bytes
+    opt = _adam_bytes(s.optimizer) * et // 4  # Adam's moments in the trainable parameters' dtype
     kind = c.engine["kind"]
     act, act_ckpt = activations(shape, s)
     inter = 0
     if kind == "ddp":
-        params, grads, optim, working, offloaded = 4 * P, 4 * P, opt * P, 0, 0
-        comm = int(2 * 4 * P * ring)
+        frozen = shape.frozen_bytes(cast_16bit=False)
+        params, grads, optim, working, offloaded = frozen + et * T, et * T, opt * T, 0, 0
+        comm = int(2 * et * T * ring)
     elif kind == "fsdp":
         sharding = c.engine["sharding"]
-        if sharding == "hybrid" and s.nodes < 2:
+        if (sharding == "hybrid" and s.nodes < 2) or shape.method == "qlora":
             return None
         shard_over = s.gpus_per_node if sharding == "hybrid" else N
-        e_p = 2 if mixed else 4
-        states = (4 * P // shard_over, 4 * P // shard_over, opt * P // shard_over)
+        e_p = 2 if mixed else shape.weight_bytes
+        frozen = shape.frozen_bytes(cast_16bit=False)
+        states = ((frozen + et * T) // shard_over, et * T // shard_over, opt * T // shard_over)
         gathered = P if sharding == "shard_grad_op" else min(P, 2 * shape.unit)
-        working = gathered * e_p + 2 * shape.unit * 4  # unsharded params in use + one unit's unsharded grads
+        unit_grads = shape.unit * T // P if P else 0  # a unit's share of what trains
+        working = gathered * e_p + 2 * unit_grads * 4  # unsharded params in use + one unit's unsharded grads
         sring = (shard_over - 1) / shard_over if shard_over > 1 else 0.0
         gathers = 1 if sharding == "shard_grad_op" else 2
-        comm = int(G * gathers * P * e_p * sring + P * 4 * sring)
+        comm = int(G * gathers * P * e_p * sring + T * 4 * sring)
         if sharding == "hybrid":
-            inter = int(2 * (P // shard_over) * 4 * (s.nodes - 1) / s.nodes)
+            inter = int(2 * (T // shard_over) * 4 * (s.nodes - 1) / s.nodes)
             comm += inter
         if c.engine.get("cpu_offload"):
             params, grads, optim, offloaded = 0, 0, 0, sum(states)
@@ -172,22 +221,26 @@ def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
             (params, grads, optim), offloaded = states, 0
     else:  # deepspeed
         stage = c.engine["stage"]
-        part = lambda nbytes, from_stage: nbytes * P // N if stage >= from_stage else nbytes * P  # noqa: E731
+        part = lambda nbytes, from_stage: nbytes * T // N if stage >= from_stage else nbytes * T  # noqa: E731
+        frozen = shape.frozen_bytes(cast_16bit=mixed)
+        if stage >= 3:  # ZeRO-3 partitions every parameter; 4-bit weights are counted whole
+            quant = int(shape.quantized * shape.quant_bits / 8)
+            frozen = (frozen - quant) // N + quant
         if mixed:
-            params = part(2, 3)
+            params = part(2, 3) + frozen
             grads = (0 if stage == 3 else part(2, 2)) + part(4, 1)
-            optim = part(4, 1) + part(opt, 1)
+            optim = part(4, 1) + part(_adam_bytes(s.optimizer), 1)
         else:
-            params, grads, optim = part(4, 3), part(4, 2), part(opt, 1)
+            params, grads, optim = part(et, 3) + frozen, part(et, 2), part(opt, 1)
         working = 4 * shape.largest_layer if stage == 3 else 0
         offloaded = 0
         if c.engine.get("offload_optimizer", "none") != "none":  # ZeRO-Offload: gradients, master weights, moments
             offloaded, grads, optim = grads + optim, 0, 0
         if c.engine.get("offload_param", "none") != "none":
             offloaded, params = offloaded + params, 0
-        e = 2 if mixed else 4
-        per_micro = {0: 0, 1: 0, 2: P * e * ring, 3: 3 * P * e * ring}[stage]
-        at_boundary = {0: 2 * P * e * ring, 1: 2 * P * e * ring, 2: P * e * ring, 3: 0}[stage]
+        e = 2 if mixed else et
+        per_micro = {0: 0, 1: 0, 2: T * e * ring, 3: (2 * P + T) * e * ring}[stage]
+        at_boundary = {0: 2 * T * e * ring, 1: 2 * T * e * ring, 2: T * e * ring, 3: 0}[stage]
         comm = int(G * per_micro + at_boundary)
     if kind != "fsdp" and s.nodes > 1:
         inter = comm  # flat rings cross node boundaries with all of it
@@ -279,6 +332,8 @@ def shape_of(spec) -> Shape:
         from orchestrator.errors import UserError
 
         raise UserError("model.kind script: orchestrate plan cannot see the model inside a training script")
+    if m.kind == "hf":
+        return hf_shape_of(spec)
     from train_entry.engines.base import layer_units
     from train_entry.models import build_workload
 
@@ -287,6 +342,52 @@ def shape_of(spec) -> Shape:
     leaves = [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules()]
     units = [sum(p.numel() for p in u.parameters()) for u in layer_units(model)]
     return Shape(total, max(leaves, default=total), max(units, default=total))
+
+
+def hf_shape_of(spec) -> Shape:
+    """A ``kind: hf`` model's shape: counted from its config on the meta device, the
+    adapters' parameters by peft (or from the targeted layers' shapes without it)."""
+    from orchestrator.errors import UserError
+    from orchestrator.submit import hf_shape
+
+    m = spec.model
+    try:
+        hs = hf_shape.shape_of_model(hf_shape.meta_model(m.path, m.gguf_file))
+        adapter = m.adapter
+        trainable, counted = None, "meta"
+        if adapter is not None:
+            trainable, how = hf_shape.lora_trainable(m.path, m.gguf_file, adapter.r, adapter.alpha, adapter.target_modules)
+            counted = f"meta, adapters by {how}"
+    except hf_shape.Unavailable as exc:
+        raise UserError(f"model.kind hf: orchestrate plan builds the model from its config and needs torch and "
+                        f"transformers here ({exc}): pip install 'orchestrate[hf]'") from None
+    except hf_shape.ModelError as exc:
+        raise UserError(f"model.path '{m.path}': {exc}") from None
+    method = "qlora" if m.qlora is not None else "lora" if m.lora is not None else "full"
+    e = hf_shape.torch_dtype_bytes(m.dtype)
+    act = None
+    if m.qlora is not None:
+        act = hf_shape.torch_dtype_bytes(m.qlora.compute_dtype)
+    dims = all((hs.layers, hs.d_model, hs.n_head, hs.vocab))  # what the activation estimate needs
+    return Shape(
+        params=hs.params,
+        largest_layer=hs.largest_layer,
+        unit=hs.unit,
+        layers=hs.layers if dims else None,
+        d_model=hs.d_model if dims else None,
+        n_head=hs.n_head if dims else None,
+        seq_len=spec.data.max_length if dims else None,
+        vocab=hs.vocab if dims else None,
+        trainable=trainable,
+        method=method,
+        weight_bytes=e,
+        trainable_bytes=e if adapter is None else 4,  # peft keeps adapters in fp32
+        quantized=hs.quantizable if method == "qlora" else 0,
+        quant_bits=hf_shape.QUANT_BITS[m.qlora.double_quant] if m.qlora is not None else 0.0,
+        activation_bytes=act,
+        fused_attention=m.attn_implementation == "sdpa",
+        counted_by=counted,
+    )
 
 
 def setting_of(spec, nodes: int | None = None, gpus_per_node: int | None = None, gpu_memory: int | None = None) -> Setting:

@@ -13,10 +13,13 @@ from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
+from orchestrator.submit import preflight
 from orchestrator.submit.plan import Plan, build_plan
 
 
 def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
+    """The validated spec as a plan of tasks, its model folder and data files checked
+    (``preflight``); writes nothing."""
     spec, raw, lines = load_spec(spec_path, overrides)
     here = Path(spec_path).resolve().parent
     if spec.model.kind == "script":  # the compute nodes need its absolute path
@@ -25,16 +28,13 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
             raise UserError(f"{spec_path}: model.script: no file '{script}'")
         spec.model.script = str(script)
         set_path(raw, ("model", "script"), str(script))
-    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
-        obj = getattr(spec, section)
-        if obj.kind in ("hf", "jsonl") and getattr(obj, key, None):  # absolute, as the compute nodes need them
-            absolute = str((here / Path(getattr(obj, key)).expanduser()).resolve())
-            setattr(obj, key, absolute)
-            set_path(raw, (section, key), absolute)
+    _absolute_paths(spec, here, raw)
     tasks = expand(spec, raw, lines, str(spec_path))
+    for t in tasks:  # a sweep may set them too
+        _absolute_paths(t.spec, here)
     executor = executor or default_executor()
     workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"
-    return build_plan(
+    plan = build_plan(
         spec,
         tasks,
         experiment_id=secrets.token_hex(4),
@@ -42,6 +42,20 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         spec_path=str(Path(spec_path).resolve()),
         workdir=workdir.resolve(),
     )
+    preflight.check(plan, lines, str(spec_path))  # the model folder and data files, before anything is queued
+    return plan
+
+
+def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:
+    """model.path, data.path and data.eval_path absolute, as the compute nodes need them
+    (relative ones are taken from the spec's folder)."""
+    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
+        obj = getattr(spec, section)
+        if obj.kind in ("hf", "jsonl") and getattr(obj, key, None):
+            absolute = str((here / Path(getattr(obj, key)).expanduser()).resolve())
+            setattr(obj, key, absolute)
+            if raw is not None:
+                set_path(raw, (section, key), absolute)
 
 
 def write_run_folder(plan: Plan) -> None:

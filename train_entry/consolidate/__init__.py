@@ -17,6 +17,10 @@ plus ``model.safetensors.index.json`` (``pytorch_model*.bin`` for ``--format tor
 ``out``, each file fsynced, and renamed into place at the end, so nothing in ``out`` ever
 looks complete when it is not.
 
+A checkpoint of a ``model: {kind: hf}`` run (it holds ``hf.json``) becomes a Hugging Face
+folder instead (``hf``): the model folder of a full fine-tune, or ``adapter/`` (PEFT) and,
+with ``export.merge_lora``, ``merged/`` for LoRA and QLoRA.
+
 Compute-node side too: the job's final step runs ``python -m train_entry.consolidate``.
 """
 
@@ -35,7 +39,8 @@ from train_entry.consolidate.zero import ZeroReader
 
 __all__ = [
     "DTYPES", "FORMATS", "READ_BATCH_BYTES", "RECORD", "ConsolidateError", "DcpReader", "Item", "SafetensorsWriter",
-    "TorchWriter", "ZeroReader", "consolidate", "index_name", "open_reader", "plan_shards", "shard_names",
+    "TorchWriter", "ZeroReader", "consolidate", "index_name", "open_reader", "plan_shards", "shard_names", "torch_dtype",
+    "write_items",
 ]
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -57,8 +62,11 @@ def open_reader(folder: Path, manifest: dict):
 
 
 def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32", fmt: str = "safetensors",
-                max_shard_bytes: int = 5 * 1024**3) -> dict:
-    """Write the model weights of one committed checkpoint to ``out``; returns a summary."""
+                max_shard_bytes: int = 5 * 1024**3, hf: bool | None = None, base: str | os.PathLike | None = None) -> dict:
+    """Write the model weights of one committed checkpoint to ``out``; returns a summary.
+
+    ``hf``: write a Hugging Face folder (``consolidate.hf``); None: when the checkpoint holds
+    ``hf.json``. ``base``: the base model folder, when it is no longer where ``hf.json`` says."""
     folder, out = Path(folder), Path(out)
     if dtype not in DTYPES:
         raise ConsolidateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -72,13 +80,28 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     if problem:
         raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
     manifest = contract.read_json(folder / contract.MANIFEST)
+    if hf is None:
+        hf = (folder / contract.HF_EXPORT).exists()
+    export = None
+    if hf:
+        from train_entry.consolidate import hf as hf_export  # transformers and peft: only for these checkpoints
+
+        if fmt != "safetensors":
+            raise ConsolidateError(f"--format {fmt}: a Hugging Face folder holds safetensors; for {fmt} files under the "
+                                   "checkpoint's own names, consolidate without the Hugging Face export (--no-hf)")
+        export = hf_export.prepare(folder, manifest, base)  # hf.json and the base folder checked before any tensor
+    elif base is not None:
+        raise ConsolidateError("--base is the base model folder of a Hugging Face export (--hf)")
     started = time.time()
     reader = open_reader(folder, manifest)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        summary = _write_all(reader, tmp, dtype, fmt, max_shard_bytes)
+        if export is not None:
+            summary = export.write(reader, tmp, dtype, max_shard_bytes)
+        else:
+            summary = _write_all(reader, tmp, dtype, fmt, max_shard_bytes)
         summary.update(source=str(folder.resolve()), step=manifest.get("step"), engine=manifest.get("engine"))
         contract.atomic_write_json(tmp / RECORD, summary)
         if out.exists():
@@ -90,21 +113,27 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     return {**summary, "out": str(out), "seconds": round(time.time() - started, 2)}
 
 
-def _torch_dtype(name: str):
+def torch_dtype(name: str):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def _write_all(reader, dst: Path, dtype: str, fmt: str, max_shard_bytes: int) -> dict:
-    """Every shard in plan order, each read in batches of at most ``READ_BATCH_BYTES`` whose
-    rank files are released before the next, so peak memory stays one batch."""
-    out_dtype = _torch_dtype(dtype)
-    items = reader.items(out_dtype)
+    items = reader.items(torch_dtype(dtype))
     if not items:
         raise ConsolidateError(f"{reader.src}: no model tensors in this checkpoint")
+    return {**write_items(reader, items, dst, fmt, max_shard_bytes), "dtype": dtype}
+
+
+def write_items(reader, items: list[Item], dst: Path, fmt: str = "safetensors", max_shard_bytes: int = 5 * 1024**3,
+                stem: str | None = None) -> dict:
+    """``items`` (``name``: in the output, ``key``: in ``reader``) into ``dst``: every shard in
+    plan order, each read in batches of at most ``READ_BATCH_BYTES`` whose rank files are
+    released before the next, so peak memory stays one batch. ``reader`` is anything with
+    ``read(items, what)`` (a mapping by key) and ``release()``."""
     shards = plan_shards(items, max_shard_bytes)
-    names = shard_names(len(shards), fmt)
+    names = shard_names(len(shards), fmt, stem)
     weight_map, total = {}, 0
     for shard, fname in zip(shards, names):
         writer = SafetensorsWriter(dst / fname, shard) if fmt == "safetensors" else TorchWriter(dst / fname)
@@ -119,4 +148,4 @@ def _write_all(reader, dst: Path, dtype: str, fmt: str, max_shard_bytes: int) ->
         writer.close()
     if len(names) > 1:
         contract.atomic_write_json(dst / index_name(fmt), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return {"tensors": len(items), "bytes": total, "files": names, "dtype": dtype, "format": fmt}
+    return {"tensors": len(items), "bytes": total, "files": names, "format": fmt}

@@ -26,8 +26,10 @@ def plan_shards(items: list[Item], max_bytes: int) -> list[list[Item]]:
     return shards
 
 
-def shard_names(n: int, fmt: str) -> list[str]:
-    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+def shard_names(n: int, fmt: str, stem: str | None = None) -> list[str]:
+    """``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` (``stem``: another first part)."""
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    stem = stem or ("model" if fmt == "safetensors" else "pytorch_model")
     if n == 1:
         return [f"{stem}.{ext}"]
     return [f"{stem}-{i:05d}-of-{n:05d}.{ext}" for i in range(1, n + 1)]

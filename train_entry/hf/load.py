@@ -11,6 +11,7 @@ whole model.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -152,7 +153,11 @@ def export_record(mcfg: Mapping[str, Any], model) -> dict:
 
 def describe(model) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    def numel(p) -> int:  # ZeRO-3 partitions, and 4-bit weights packed two to a byte, hide the true count
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        return math.prod(shape) if shape is not None else getattr(p, "ds_numel", p.numel())
+
+    total = sum(numel(p) for p in model.parameters())
     return f"{trainable:,} trainable parameters of {total:,}"
 
 

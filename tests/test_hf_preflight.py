@@ -1,0 +1,203 @@
+"""What the login node checks before queueing a `model: {kind: hf}` / `data: {kind: jsonl}`
+experiment: each problem is an error naming the spec file, line and field (and the data
+file and line), the command exits non-zero without a traceback, and nothing is queued:
+no run folder, no experiment in the ledger. No training happens here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cli, write
+from orchestrator.ledger import Ledger
+
+sys.path.insert(0, str(REPO / "tests" / "hf"))
+import tiny  # noqa: E402
+
+if not os.environ.get("CI"):  # CI installs the hf extra, so there it must run
+    pytest.importorskip("transformers")
+
+SPEC = """\
+name: preflight
+workdir: {runs}
+model:
+  kind: hf
+  path: {model}
+  lora:
+    r: 8
+    target_modules: {targets}
+data: {{kind: jsonl, path: {data}, max_length: 64{extra}}}
+engine: {{kind: ddp}}
+batch: {{micro_batch_size: 2}}
+steps: 2
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny.make_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=8)
+
+
+def make_spec(tmp_path, model, data, targets="[q_proj, v_proj]", extra="") -> Path:
+    return write(tmp_path / "exp.yaml", SPEC.format(runs=tmp_path / "runs", model=model, data=data, targets=targets, extra=extra))
+
+
+def lines_of(path: Path, *records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+GOOD = {"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]}
+
+
+def refused(out, home, spec: Path, *expected: str) -> str:
+    """The command failed as a user error, said each expected thing, and queued nothing."""
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    for text in expected:
+        assert text in out.stderr, (text, out.stderr)
+    assert str(spec) in out.stderr  # the spec file is named
+    runs = spec.parent / "runs"
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+    if (home / "ledger.db").exists():
+        assert Ledger.open(home / "ledger.db").find_experiments() == []
+    return out.stderr
+
+
+def test_a_line_that_is_not_json(home, tmp_path, tiny_model):
+    data = lines_of(tmp_path / "d.jsonl", GOOD, GOOD, '{"messages": [oops', GOOD)
+    spec = make_spec(tmp_path, tiny_model, data)
+    out = cli("submit", str(spec), "--executor", "local", home=home)
+    err = refused(out, home, spec, f"{spec}:9: data.path: {data}:3: not JSON", "fix or remove that line")
+    assert "1 problem found before queueing anything" in err
+
+
+def test_a_record_without_messages(home, tmp_path, tiny_model):
+    data = lines_of(tmp_path / "d.jsonl", GOOD, "", {"prompt": "abc", "completion": "cba"}, GOOD)
+    spec = make_spec(tmp_path, tiny_model, data)
+    out = cli("submit", str(spec), "--executor", "local", home=home)
+    refused(out, home, spec, "data.path:", f"{data}:3: a chat record needs a non-empty list 'messages' (data.format: chat)")
+
+
+def test_a_model_folder_without_config_json(home, tmp_path, chat_data):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    spec = make_spec(tmp_path, folder, chat_data)
+    out = cli("submit", str(spec), "--executor", "local", home=home)
+    refused(out, home, spec, f"{spec}:5: model.path: '{folder}' has no config.json", "save_pretrained")
+
+
+def test_a_lora_target_the_model_does_not_have(home, tmp_path, tiny_model, chat_data):
+    spec = make_spec(tmp_path, tiny_model, chat_data, targets="[q_proj, qkv, mlp]")
+    out = cli("submit", str(spec), "--executor", "local", home=home)
+    err = refused(out, home, spec, f"{spec}:8: model.lora.target_modules[1]: 'qkv' is not a module of this model (LlamaForCausalLM)",
+                  "model.lora.target_modules[2]: 'mlp' names LlamaMLP modules, not linear layers")
+    assert "the linear layers it has: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head" in err
+    assert "target_modules[0]" not in err
+
+
+def test_validate_and_dry_run_report_every_problem_at_once(home, tmp_path, tiny_model):
+    data = lines_of(tmp_path / "d.jsonl", GOOD, {"messages": [{"role": "user", "content": "no answer"}]})
+    spec = make_spec(tmp_path, tiny_model, data, targets="[q_proj, nope]", extra=", eval_path: missing.jsonl")
+    for argv in (["validate", str(spec)], ["submit", str(spec), "--dry-run", "--executor", "local"]):
+        out = cli(*argv, home=home)
+        err = refused(out, home, spec, "3 problems found before queueing anything",
+                      "target_modules[1]: 'nope' is not a module", f"{data}:2: no assistant message",
+                      f"data.eval_path: no file '{tmp_path / 'missing.jsonl'}'")
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, err)
+    assert not (home / "ledger.db").exists()
+
+
+def test_a_valid_spec_passes(home, tmp_path, tiny_model, chat_data):
+    spec = make_spec(tmp_path, tiny_model, chat_data, extra=", eval_fraction: 0.25")
+    out = cli("validate", str(spec), home=home)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "valid, 1 task(s)" in out.stdout
+
+
+# ---------------------------------------------------------------- in process: the checks themselves
+
+
+def test_eval_fraction_must_leave_a_record_on_each_side(tmp_path):
+    from orchestrator.contract.chatdata import held_out_count, split_eval
+    from orchestrator.spec.hf import JsonlData
+    from orchestrator.submit.preflight import _Checker
+
+    for n in range(1, 12):  # the count the trainer's split holds out
+        for f in (0.01, 0.3, 0.5, 0.9, 0.99):
+            assert held_out_count(n, f) == len(split_eval(n, f))
+
+    def problems(n, fraction):
+        data = lines_of(tmp_path / f"d{n}.jsonl", *[GOOD] * n)
+        return _Checker().data(JsonlData(kind="jsonl", path=str(data), eval_fraction=fraction))
+
+    assert problems(1, 0.5) and "holds out 0 and leaves 1" in problems(1, 0.5)[0][1]
+    assert problems(2, 0.9) and "holds out 2 and leaves 0" in problems(2, 0.9)[0][1]
+    assert problems(2, 0.5) == [] and problems(10, 0.05) == []
+    assert problems(0, 0.5) == [(("data", "path"), f"no records in '{tmp_path / 'd0.jsonl'}': nothing to train on")]
+
+
+def test_folder_checks(tmp_path, tiny_model):
+    from orchestrator.submit.preflight import folder_problems
+
+    assert folder_problems(str(tiny_model), None) == []
+    no_template = tmp_path / "plain"
+    no_template.mkdir()
+    for f in tiny_model.iterdir():
+        (no_template / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((no_template / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    (msg,) = folder_problems(str(no_template), None)
+    assert "no chat template" in msg[1]
+    (no_template / "tokenizer.json").unlink()
+    (msg,) = folder_problems(str(no_template), None)
+    assert "no tokenizer files" in msg[1]
+    for f in no_template.glob("*.safetensors"):
+        f.unlink()
+    assert any("no weights" in m for _, m in folder_problems(str(no_template), None))
+    (field, msg), = folder_problems(str(tiny_model), "model.gguf")
+    assert field == ("model", "gguf_file") and "no file 'model.gguf'" in msg
+
+
+def test_without_transformers_the_model_checks_are_skipped_with_a_warning(home, tmp_path, tiny_model, chat_data):
+    """A login node without the hf extra: one warning line, the file checks still made."""
+    import subprocess
+
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "transformers.py").write_text("raise ImportError('no transformers here', name='transformers')\n")
+    spec = make_spec(tmp_path, tiny_model, chat_data, targets="[q_proj, nope]")
+    env = {**os.environ, "ORCHESTRATE_HOME": str(home), "PYTHONPATH": str(block)}
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(spec)], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr  # 'nope' is left to the compute nodes
+    (warning,) = out.stderr.splitlines()
+    assert warning.startswith("warning: transformers is not importable") and "not checked" in warning
+    bad = make_spec(tmp_path, tmp_path / "nowhere", chat_data)
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(bad)], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 2 and f"model.path: no folder '{tmp_path / 'nowhere'}'" in out.stderr
+
+
+def test_paths_a_sweep_sets_are_taken_from_the_spec_folder_too(tmp_path, tiny_model, chat_data):
+    from orchestrator.submit.submission import make_plan
+
+    (tmp_path / "other.jsonl").write_bytes(chat_data.read_bytes())
+    spec = make_spec(tmp_path, tiny_model, chat_data)
+    spec.write_text(spec.read_text() + "sweep: {grid: {data.path: [other.jsonl, ../" + tmp_path.name + "/other.jsonl]}}\n")
+    plan = make_plan(str(spec), [], "local", tmp_path / "home")
+    assert [t.config.data["path"] for t in plan.tasks] == [str(tmp_path / "other.jsonl")] * 2
+    assert [t.params for t in plan.tasks][0] == {"data.path": "other.jsonl"}  # as written, for the user
