@@ -1,5 +1,7 @@
 """The job's last step when the spec sets ``checkpoint.consolidate``: full weights from the
-final checkpoint into the task's ``weights/`` folder.
+final checkpoint into the task's ``weights/`` folder; for ``model: {kind: hf}`` a Hugging
+Face folder (the model of a full fine-tune; ``adapter/``, and ``merged/`` with
+``export.merge_lora``, for LoRA and QLoRA).
 
 Node 0's agent runs it once every rank finished, as its own process (the ranks' memory is
 free by then), under a timeout, and stops it on SIGTERM. What happens is told to the
@@ -61,9 +63,11 @@ def run(cfg: contract.TaskConfig, tdir: Path, launch: str, generation: int, sign
         return ExitCode.OK
     tmp = contract.weights_tmp_dir(tdir, launch)
     shutil.rmtree(tmp, ignore_errors=True)
+    hf = cfg.model.get("kind") == "hf"  # a Hugging Face folder: the model, or adapter/ (+ merged/) for LoRA
     argv = [sys.executable, "-m", "train_entry.consolidate", str(folder), "--out", str(tmp), "--dtype", opts.dtype,
-            "--format", opts.format, "--max-shard-bytes", str(opts.max_shard_bytes)]
-    rec.event("weights.consolidating", f"step {step} ({folder.name}) into {out}: {opts.dtype} {opts.format}")
+            "--format", opts.format, "--max-shard-bytes", str(opts.max_shard_bytes), "--hf" if hf else "--no-hf"]
+    rec.event("weights.consolidating", f"step {step} ({folder.name}) into {out}: {opts.dtype} {opts.format}"
+              + (" (a Hugging Face folder)" if hf else ""))
     log = contract.consolidate_log_path(tdir)
     log.parent.mkdir(parents=True, exist_ok=True)
     ended = _supervise(argv, tdir, log, opts.timeout_min * 60, signals)
@@ -82,8 +86,10 @@ def run(cfg: contract.TaskConfig, tdir: Path, launch: str, generation: int, sign
         out.rename(old)
         shutil.rmtree(old, ignore_errors=True)
     tmp.rename(out)
+    layout = {"full": "; a Hugging Face model folder", "adapter": "; a PEFT adapter folder: adapter/",
+              "adapter+merged": "; a PEFT adapter folder (adapter/) and the merged model (merged/)"}.get(summary.get("hf"), "")
     rec.event("weights.consolidated", f"step {step} -> {out}: {summary.get('tensors')} tensors, {summary.get('bytes', 0) / 1e6:,.1f} MB "
-                f"{opts.dtype} in {len(summary.get('files', []))} file(s)", folder=str(out), bytes=summary.get("bytes"))
+                f"{opts.dtype} in {len(summary.get('files', []))} file(s){layout}", folder=str(out), bytes=summary.get("bytes"))
     return ExitCode.OK
 
 

@@ -58,12 +58,25 @@ def _consolidate(args) -> int:
         raise UserError(f"--max-shard-size: {exc}") from None
     folder = _one_checkpoint(args.path, good_only=True)
     try:
-        done = consolidate(folder, args.out, args.dtype, args.format, max_bytes)
+        done = consolidate(folder, args.out, args.dtype, args.format, max_bytes, hf=args.hf, base=args.base)
     except ConsolidateError as exc:
         raise UserError(str(exc)) from None
-    print(f"{done['tensors']} tensors ({done['bytes'] / 1e6:,.1f} MB {done['dtype']}) of step {done['step']} "
-          f"in {len(done['files'])} file(s) in {done['out']} ({done['seconds']} s)")
+    print(describe_weights(done, f" in {done['out']}") + f" ({done['seconds']} s)")
     return 0
+
+
+def describe_weights(done: dict, where: str = "") -> str:
+    """One line for a consolidation's summary."""
+    size = f"{done['bytes'] / 1e6:,.1f} MB {done['dtype']}"
+    kind = done.get("hf")
+    if kind == "full":
+        return f"{done['tensors']} tensors ({size}) of step {done['step']}: a Hugging Face model folder{where}"
+    if kind in ("adapter", "adapter+merged"):
+        line = f"{done['adapter_tensors']} LoRA tensors of step {done['step']}: a PEFT adapter folder{where and where + '/adapter'}"
+        if kind == "adapter+merged":
+            line += (f", and the base with {done['merged_adapted']} weights adapted: a model folder{where and where + '/merged'}")
+        return line + f" ({size} in all)"
+    return f"{done['tensors']} tensors ({size}) of step {done['step']} in {len(done['files'])} file(s){where}"
 
 
 def _verify(args) -> int:

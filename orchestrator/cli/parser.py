@@ -97,12 +97,18 @@ def _add_ckpt(sub) -> None:
     c.add_argument("--json", action="store_true")
     c = ck.add_parser("verify", help="check one checkpoint: every file present, sizes and sha256 as the manifest says")
     c.add_argument("path", help="a step-N folder (or a task folder: its newest checkpoint)")
-    c = ck.add_parser("consolidate", help="one checkpoint -> full weights (safetensors shards + index), streaming")
+    c = ck.add_parser("consolidate", help="one checkpoint -> full weights (safetensors shards + index), streaming; "
+                      "for model kind hf a Hugging Face folder (the model, or adapter/ and merged/)")
     c.add_argument("path", help="a step-N folder (or a task folder: its newest good checkpoint)")
     c.add_argument("--out", required=True, help="a new folder for the weights")
     c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     c.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
     c.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB): also the memory bound")
+    c.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
+                   help="a Hugging Face folder: the model (full fine-tune), or adapter/ and merged/ (LoRA); the default "
+                   "for checkpoints of model kind hf (they hold hf.json); --no-hf: the tensors under the checkpoint's names")
+    c.add_argument("--base", metavar="FOLDER", help="with --hf: the base model folder, if it is no longer where the "
+                   "checkpoint's hf.json says (it must still be the same model: its fingerprint is checked)")
     c = ck.add_parser("prune", help="delete all but the newest K good checkpoints of each task")
     c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoints folder")
     c.add_argument("--keep", type=int, required=True, metavar="K")

@@ -105,6 +105,10 @@ class Spec(Strict):
             raise FieldError(("eval", "every_steps"), "there is no held-out split: set data.eval_path or data.eval_fraction")
         if m == "hf" and self.model.qlora is not None and self.engine.kind == "fsdp":
             raise FieldError(("model", "qlora"), "FSDP2 cannot shard 4-bit weights here; use engine ddp or deepspeed")
+        consolidate = self.checkpoint.consolidate
+        if m == "hf" and consolidate is not None and consolidate.format != "safetensors":
+            raise FieldError(("checkpoint", "consolidate", "format"),
+                             "a `kind: hf` model is consolidated into a Hugging Face folder, which holds safetensors")
 
 
 # Fields a sweep may not vary: one job array shares one name, folder and resource request.

@@ -86,6 +86,9 @@ class HFModel(Strict):
             raise ValueError("give lora or qlora, not both (qlora is LoRA on a 4-bit base)")
         if self.export.merge_lora and self.adapter is None:
             raise ValueError("export.merge_lora needs lora or qlora; a full fine-tune is exported whole anyway")
+        if self.export.merge_lora and self.gguf_file is not None:
+            raise ValueError("export.merge_lora streams the base's safetensors weights; a GGUF base gets the adapter "
+                             "folder only (leave merge_lora out)")
         return self
 
     @property

@@ -80,6 +80,7 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     if problem:
         raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
     manifest = contract.read_json(folder / contract.MANIFEST)
+    started = time.time()
     if hf is None:
         hf = (folder / contract.HF_EXPORT).exists()
     export = None
@@ -92,7 +93,6 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         export = hf_export.prepare(folder, manifest, base)  # hf.json and the base folder checked before any tensor
     elif base is not None:
         raise ConsolidateError("--base is the base model folder of a Hugging Face export (--hf)")
-    started = time.time()
     reader = open_reader(folder, manifest)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -21,9 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=DTYPES)
     ap.add_argument("--format", default="safetensors", choices=FORMATS)
     ap.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3)
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
+                    help="a Hugging Face folder (default: when the checkpoint holds hf.json)")
+    ap.add_argument("--base", help="the base model folder, if it moved since training (--hf)")
     args = ap.parse_args(argv)
     try:
-        done = consolidate(args.folder, args.out, args.dtype, args.format, args.max_shard_bytes)
+        done = consolidate(args.folder, args.out, args.dtype, args.format, args.max_shard_bytes, hf=args.hf, base=args.base)
     except ConsolidateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return contract.ExitCode.USER_ERROR
