@@ -213,7 +213,7 @@ def trainer_rank(raw: str) -> None:
     transformers.logging.set_verbosity_error()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tok = transformers.AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
-    examples, _ = chat.load_examples(tok, str(DATA), "chat", MAX_LENGTH, SEED)
+    examples, _ = chat.load_examples(tok, str(DATA), "chat", MAX_LENGTH)
     packed = chat.Packed(examples, MAX_LENGTH, load.pad_id(tok))
     sampler = Sampler(len(packed), SEED, MICRO_BATCH, 1, world, rank)
     batches = [sampler.indices(step, 0) for step in range(steps)]  # orchestrate's rows for this rank, step by step

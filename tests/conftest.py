@@ -103,3 +103,12 @@ def slurm_run(*argv: str, timeout: float = 60) -> str:
     out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{argv}: {out.stdout}{out.stderr}"
     return out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Hugging Face model folder (tests/hf/tiny.py), built once per test file."""
+    sys.path.insert(0, str(REPO / "tests" / "hf"))
+    import tiny
+
+    return tiny.make_model(tmp_path_factory.mktemp("tiny") / "model")

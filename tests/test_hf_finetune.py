@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,7 @@ from orchestrator.ledger import Ledger
 sys.path.insert(0, str(REPO / "tests" / "hf"))
 import tiny  # noqa: E402
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers") if not __import__("os").environ.get("CI") else None
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return tiny.make_model(tmp_path_factory.mktemp("tiny") / "model")
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +35,8 @@ def _examples(n=6, max_length=64):
     from train_entry.hf import chat
 
     tok = tiny.tokenizer()
-    path = tiny.make_chat_data(Path(__import__("tempfile").mkdtemp()) / "d.jsonl", n=n, seed=3)
-    examples, stats = chat.load_examples(tok, str(path), "chat", max_length, seed=0)
+    path = tiny.make_chat_data(Path(tempfile.mkdtemp()) / "d.jsonl", n=n, seed=3)
+    examples, stats = chat.load_examples(tok, str(path), "chat", max_length)
     return tok, examples, stats
 
 
@@ -66,7 +61,7 @@ def test_truncation_is_counted_and_an_example_without_answer_left_out(tmp_path):
     long = {"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "yes"}]}
     short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a longer answer"}]}
     path.write_text(json.dumps(long) + "\n" + json.dumps(short) + "\n")
-    examples, stats = chat.load_examples(tok, str(path), "chat", 32, seed=0)
+    examples, stats = chat.load_examples(tok, str(path), "chat", 32)
     assert stats == {"records": 2, "examples": 1, "truncated": 2, "dropped": 1}
     assert len(examples[0].input_ids) == 32
 

@@ -39,11 +39,6 @@ steps: 2
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return tiny.make_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> Path:
     return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=8)
 

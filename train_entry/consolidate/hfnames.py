@@ -16,21 +16,13 @@ import re
 from dataclasses import dataclass
 
 from train_entry.consolidate.items import ConsolidateError
+from train_entry.paramnames import clean  # noqa: F401 - the export's names are the engines' rule
 
-WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 PEFT_PREFIX = "base_model.model."
 ADAPTER_NAME = "default"  # the one adapter train_entry.hf.load adds
 
 _LINEAR = re.compile(r"(?P<module>.+)\.lora_(?P<part>[AB])\.(?P<adapter>[^.]+)\.weight")
 _EMBEDDING = re.compile(r"(?P<module>.+)\.lora_embedding_(?P<part>[AB])\.(?P<adapter>[^.]+)")
-
-
-def clean(name: str) -> str:
-    """A parameter's name without the parts wrappers add."""
-    name = name.removeprefix("module.")
-    for part in WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 @dataclass(frozen=True)

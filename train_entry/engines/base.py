@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from orchestrator import contract
+from train_entry.paramnames import clean
 
 
 def forward(model: nn.Module, inputs: Any) -> Any:
@@ -64,7 +65,7 @@ class DCPState:
         opts = StateDictOptions(ignore_frozen_params=self.trainable_only)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
         if self.trainable_only:  # a frozen weight tied to another (lm_head) is not named as frozen: keep by name
-            keep = {canonical_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+            keep = {clean(n) for n, p in self.model.named_parameters() if p.requires_grad}
             model_sd = {k: v for k, v in model_sd.items() if k in keep}
         return {"model": model_sd, "optim": optim_sd}
 
@@ -91,12 +92,6 @@ class DCPState:
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=not self.trainable_only))
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name without the wrappers' parts (DDP's module., activation checkpointing's)."""
-    name = name.removeprefix("module.")
-    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 class TorchOptimizerStep:

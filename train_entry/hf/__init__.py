@@ -19,13 +19,13 @@ def build(cfg: contract.TaskConfig, log=print) -> Any:
     m, d = cfg.model, cfg.data
     tok = load.load_tokenizer(m)
     pad = load.pad_id(tok)
-    kw = dict(fmt=d["format"], max_length=d["max_length"], seed=cfg.seed)
-    train, stats = chat.load_examples(tok, d["path"], eval_fraction=d.get("eval_fraction"), held_out=False, **kw)
-    evals = None
-    if d.get("eval_path") or d.get("eval_fraction"):
-        src = d.get("eval_path") or d["path"]
-        held, _ = chat.load_examples(tok, src, eval_fraction=None if d.get("eval_path") else d["eval_fraction"], held_out=True, **kw)
-        evals = chat.Rows(held, pad)
+    records, held = chat.read_records(d["path"], d["format"]), None
+    if d.get("eval_fraction"):
+        records, held = chat.split(records, d["eval_fraction"], cfg.seed)
+    elif d.get("eval_path"):
+        held = chat.read_records(d["eval_path"], d["format"])
+    train, stats = chat.tokenize(tok, records, d["path"], d["max_length"])
+    evals = chat.Rows(chat.tokenize(tok, held, d.get("eval_path") or d["path"], d["max_length"])[0], pad) if held else None
     dataset = chat.Packed(train, d["max_length"], pad) if d["packing"] else chat.Rows(train, pad)
     model, keep = load.load_model(m, cfg.seed, cfg.deepspeed_config, cfg.engine["activation_checkpointing"])
     log(f"{d['path']}: {stats['records']} records -> {stats['examples']} examples"

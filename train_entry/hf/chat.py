@@ -61,17 +61,26 @@ def make_example(ids: list[int], target: list[bool], max_length: int) -> tuple[E
     return Example(ids, labels), cut
 
 
-def load_examples(tokenizer, path: str, fmt: str, max_length: int, seed: int, eval_fraction: float | None = None,
-                  held_out: bool = False) -> tuple[list[Example], dict]:
-    """The examples of ``path`` (those held out, or the others, when ``eval_fraction`` is
-    given) and what happened to them (counts of records, truncated, without a target left)."""
+def read_records(path: str, fmt: str) -> list:
     try:
-        records = list(chatdata.read_records(path, fmt))
+        return list(chatdata.read_records(path, fmt))
     except chatdata.RecordError as exc:
         raise UserCodeError(str(exc)) from None
-    if eval_fraction:
-        chosen = chatdata.split_eval(len(records), eval_fraction, seed)
-        records = [r for i, r in enumerate(records) if (i in chosen) == held_out]
+
+
+def split(records: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(kept for training, held out): the same choice on every rank and launch."""
+    chosen = chatdata.split_eval(len(records), fraction, seed)
+    return [r for i, r in enumerate(records) if i not in chosen], [r for i, r in enumerate(records) if i in chosen]
+
+
+def load_examples(tokenizer, path: str, fmt: str, max_length: int) -> tuple[list[Example], dict]:
+    """Every record of ``path`` as examples, and what happened to them."""
+    return tokenize(tokenizer, read_records(path, fmt), path, max_length)
+
+
+def tokenize(tokenizer, records: list, path: str, max_length: int) -> tuple[list[Example], dict]:
+    """Examples, and what happened to the records (counts: records, truncated, without a target left)."""
     examples, truncated, empty = [], 0, 0
     for _, messages in records:
         ids, target = encode(tokenizer, messages)
