@@ -43,7 +43,7 @@ class Trainer(submitit.helpers.Checkpointable):
         restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         step = 0
         if ckpt.exists():
-            state = torch.load(ckpt, weights_only=False)
+            state = torch.load(ckpt, weights_only=True)  # tensors, an optimizer state dict and an int
             engine.model.module.load_state_dict(state["model"])
             engine.optimizer.load_state_dict(state["optim"])
             step = state["step"]

@@ -26,6 +26,9 @@ class SpecIssue:
         return f"{where}:{field} {self.message}"
 
 
+SHOWN_ISSUES = 50  # of a SpecError's message; all of them stay in ``issues``
+
+
 class SpecError(UserError):
     """Every problem found in one spec, each with its field path and line."""
 
@@ -33,7 +36,10 @@ class SpecError(UserError):
         self.issues = sorted(issues, key=lambda i: (i.line is None, i.line or 0, i.path))
         n = len(self.issues)
         head = f"{n} error{'s' if n != 1 else ''} in the experiment spec"
-        super().__init__(head + "\n" + "\n".join("  " + i.render() for i in self.issues))
+        shown = [i.render() for i in self.issues[:SHOWN_ISSUES]]
+        if n > SHOWN_ISSUES:  # a list of 10,000 bad values: the first ones say what is wrong
+            shown.append(f"... and {n - SHOWN_ISSUES} more")
+        super().__init__(head + "\n" + "\n".join("  " + line for line in shown))
 
 
 class SchedulerError(UserError):

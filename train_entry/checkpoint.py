@@ -8,7 +8,13 @@ a ``.tmp-`` folder that discovery never looks at.
 
 What a checkpoint holds: model and optimizer (the engine's shards), the step (the
 data order and the LR are pure functions of it and the seed), and every rank's RNG
-states. So a resumed run continues bit for bit.
+states (plain tensors and ints: they load with ``weights_only=True``). So a resumed run
+continues bit for bit.
+
+A checkpoint to resume from may be damaged or hostile (``resume_from`` names any
+folder): its manifest is checked (``contract.read_manifest``: every path a regular file
+inside it), every file hashed through the same checks, and every file our loaders
+unpickle loads with the allow-lists of ``safeload`` first; one that fails is skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import stat
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +32,7 @@ import torch
 from torch import distributed as dist
 
 from orchestrator import contract
+from train_entry import safeload
 
 RNG_DIR = "rng"
 
@@ -64,8 +73,19 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def load_rng_state(path: Path) -> None:
+    """This rank's RNG states from ``path``, read with ``weights_only=True`` and no allow-list."""
+    state = safeload.torch_load(path, mmap=False, allow={})
+    try:
+        _set_rng_state(state)
+    except (TypeError, KeyError, ValueError, RuntimeError) as exc:
+        raise safeload.CheckpointRefused(f"{path}: not RNG states ({exc})") from None
+
+
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != contract.MANIFEST)
+    """The regular files of a save (a symbolic link is never listed, so never hashed)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if stat.S_ISREG(p.lstat().st_mode) and p.name != contract.MANIFEST)
 
 
 def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
@@ -114,7 +134,9 @@ class Checkpointer:
         """Collective: an empty folder for the shards of step ``step`` (not yet a checkpoint)."""
         tmp = contract.checkpoint_tmp(self.task_dir, step)
         if self.rank == 0:
-            if tmp.exists():
+            if tmp.is_symlink():
+                tmp.unlink()  # the link, never what it points to
+            elif tmp.exists():
                 shutil.rmtree(tmp)
             (tmp / RNG_DIR).mkdir(parents=True)
             for name, record in self.extras.items():
@@ -188,7 +210,10 @@ class Checkpointer:
     def _retain(self) -> None:
         keep = self.cfg.keep_last
         for _, folder in contract.committed_checkpoints(self.task_dir)[keep:]:
-            contract.discard_checkpoint(folder)
+            try:
+                contract.discard_checkpoint(folder)
+            except contract.UnsafeDeletion as exc:  # kept: never deleted through a link
+                print(f"checkpoint rotation: {folder.name} not removed: {exc}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------ resume
 
@@ -200,7 +225,7 @@ class Checkpointer:
         candidates = [folder for _, folder in contract.committed_checkpoints(self.task_dir)]
         if not candidates and self.cfg.resume_from:
             start = Path(self.cfg.resume_from)
-            if (start / contract.MANIFEST).exists():
+            if os.path.lexists(start / contract.MANIFEST):
                 candidates = [start]
             else:  # a checkpoints folder (or a task folder): its committed checkpoints, newest first
                 base = start.parent if start.name == "checkpoints" else start
@@ -209,29 +234,45 @@ class Checkpointer:
         for folder in candidates:
             problem = self._verify(folder)
             if problem is None:
-                m = contract.read_json(folder / contract.MANIFEST)
-                return Resume(folder, int(m["step"]), int(m["world_size"]), skipped, cleaned)
+                m = contract.read_manifest(folder)
+                return Resume(folder, m["step"], m["world_size"], skipped, cleaned)
             skipped.append((str(folder), problem))
         return Resume(None, 0, None, skipped, cleaned)
 
     def _verify(self, folder: Path) -> str | None:
-        problem = contract.verify_checkpoint(folder, deep=False) if self.rank == 0 else None
-        if problem is None and self.cfg.verify == "sha256":
-            manifest = contract.read_json(folder / contract.MANIFEST) or {"files": {}}
-            names = sorted(manifest["files"])
-            bad = [
-                f"{n} does not match its sha256"
-                for n in names[self.rank :: self.world]
-                if not (folder / n).is_file() or contract.file_sha256(folder / n) != manifest["files"][n]["sha256"]
-            ]
-            problem = problem or (bad[0] if bad else None)
-        problems = [p for p in _gather(problem) if p]
+        """Collective: the first problem any rank found. Rank 0 checks the manifest and every
+        file's size; each rank hashes its share (sha256) and loads its share of the files our
+        loaders unpickle with the allow-lists."""
+        problems = [p for p in _gather(self._verify_share(folder)) if p]
         return problems[0] if problems else None
 
+    def _verify_share(self, folder: Path) -> str | None:
+        try:
+            manifest = contract.read_manifest(folder)  # every rank: the names it checks are checked
+        except contract.ManifestError as exc:
+            return str(exc)
+        if self.rank == 0:
+            problem = contract.verify_checkpoint(folder, deep=False)
+            if problem:
+                return problem
+        files = manifest["files"]
+        if self.cfg.verify == "sha256":
+            for n in sorted(files)[self.rank :: self.world]:
+                problem = contract.check_member(folder, n, files[n], deep=True)
+                if problem:
+                    return problem
+        for n in safeload.unpickled_files(manifest)[self.rank :: self.world]:
+            problem = contract.check_member(folder, n, files[n]) or safeload.first_problem(folder, [n])
+            if problem:  # the path first: nothing outside the folder is ever opened
+                return problem
+        return None
+
     def load(self, resume: Resume) -> None:
+        """Collective. Every file is unpickled within the allow-lists (the engines' loads, and
+        the RNG states here): a hostile file raises CheckpointRefused before it runs anything."""
         folder = resume.folder
         self.engine.load_state(folder, same_world=resume.world_size == self.world)
         rng = folder / RNG_DIR / f"rank-{self.rank}.pt"
-        if rng.is_file():  # a rank that did not exist in the saved run keeps its seeded state
-            _set_rng_state(torch.load(rng, weights_only=False))
+        if os.path.lexists(rng):  # a rank that did not exist in the saved run keeps its seeded state
+            load_rng_state(rng)
         dist.barrier()

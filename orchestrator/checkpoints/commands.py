@@ -3,11 +3,17 @@
 A checkpoint is found by what the user has at hand: an experiment (id or name), a run
 folder, a task folder, its ``checkpoints`` folder, or one ``step-N`` folder. What a
 checkpoint is, and when it counts, is the contract's (``contract.checkpoint``): a
-``step-N`` folder with a manifest, written last.
+``step-N`` folder with a manifest, written last. A checkpoint is untrusted input: its
+manifest is checked entry by entry and nothing outside its folder is read (the
+contract's checks); ``verify`` also loads every file our loaders unpickle with their
+allow-lists (``train_entry.safeload``), so one that holds code is bad, not good; and
+nothing is deleted through a symbolic link (``contract.deletion_problem``).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,29 +80,47 @@ def _step(folder: Path) -> int | None:
 
 
 def describe(folder: Path, task: str, deep: bool = False) -> Checkpoint:
-    manifest = contract.read_json(folder / contract.MANIFEST)
-    committed = folder.name.startswith(contract.STEP_PREFIX) and isinstance(manifest, dict)
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    ck = Checkpoint(task, _step(folder), folder, committed, size=size)
-    if committed:
-        ck.engine = manifest.get("engine")
-        ck.world_size = manifest.get("world_size")
-        ck.problem = contract.verify_checkpoint(folder, deep=deep)
-    else:
+    committed = folder.name.startswith(contract.STEP_PREFIX) and os.path.lexists(folder / contract.MANIFEST)
+    ck = Checkpoint(task, _step(folder), folder, committed, size=_size(folder))
+    if not committed:
         ck.problem = "not committed (a save that never finished; never loaded)"
+        return ck
+    try:
+        manifest = contract.read_manifest(folder)
+    except contract.ManifestError as exc:
+        ck.problem = str(exc)
+        return ck
+    ck.engine, ck.world_size = manifest.get("engine"), manifest["world_size"]
+    ck.problem = contract.verify_checkpoint(folder, deep=deep)
     return ck
 
 
+def _size(folder: Path) -> int:
+    """Bytes of the folder's own regular files (links are not followed: lstat)."""
+    total = 0
+    for p in folder.rglob("*"):
+        st = p.lstat()
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
 def verify(folder: Path) -> str | None:
-    """Deep check of one checkpoint: every file the manifest names present, with its size
-    and sha256. None when it is good, else what is wrong (naming the file)."""
+    """Deep check of one checkpoint: the manifest, every file it names present (inside the
+    folder, a regular file), with its size and sha256, then every file our loaders unpickle
+    loaded with their allow-lists. None when it is good, else what is wrong (naming the file)."""
     folder = Path(folder)
-    if not (folder / contract.MANIFEST).exists():
+    if not os.path.lexists(folder / contract.MANIFEST):
         if folder.name.startswith(contract.TMP_PREFIX):
             return f"{folder}: not committed (a save that never finished)"
         return f"{folder}: no {contract.MANIFEST}: not a committed checkpoint"
     problem = contract.verify_checkpoint(folder, deep=True)
-    return f"{folder}: {problem}" if problem else None
+    if problem:
+        return f"{folder}: {problem}"
+    # imported here: only this check reads pickles (torch); list and prune never do
+    from train_entry import safeload
+
+    problem = safeload.first_problem(folder, safeload.unpickled_files(contract.read_manifest(folder)))
+    return problem and f"{folder}: {problem}"
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def cmd_ckpt(args) -> int:
 def _one_checkpoint(path: str, good_only: bool = False) -> Path:
     """A checkpoint folder as given, or the newest (good) one under a task folder."""
     folder = Path(path).expanduser()
-    if (folder / contract.MANIFEST).exists() or folder.name.startswith((".tmp-", "step-")):
+    if os.path.lexists(folder / contract.MANIFEST) or folder.name.startswith((".tmp-", "step-")):
         return folder
     found = [c for c in ckpt.find(folder) if (c.verified if good_only else c.committed)]
     if not found:
@@ -47,7 +48,7 @@ def _ckpt_target(home, target: str):
 
 
 def _consolidate(args) -> int:
-    # imported here: the consolidator reads tensors (torch, safetensors); list, verify and prune never do
+    # imported here: the consolidator reads tensors (torch, safetensors); list and prune never do
     from train_entry.consolidate import ConsolidateError, consolidate
 
     from orchestrator.spec.units import parse_bytes
@@ -85,7 +86,7 @@ def _verify(args) -> int:
     if problem:
         print(f"damaged: {problem}", file=sys.stderr)
         return 1
-    manifest = contract.read_json(folder / contract.MANIFEST)
+    manifest = contract.read_manifest(folder)
     print(f"{folder}: good ({len(manifest['files'])} files, sizes and sha256 as the manifest says)")
     return 0
 
@@ -111,22 +112,41 @@ def _list(args, path: Path) -> int:
 
 
 def _prune(args, path: Path, owner) -> int:
-    """Remove all but the newest K good checkpoints per task; with an experiment, record it in the ledger."""
+    """Remove all but the newest K good checkpoints per task; with an experiment, record it in the ledger.
+    Nothing is deleted through a symbolic link (a ``checkpoints`` folder or a ``step-N`` that is
+    one, or leads out of its task folder): those are named, left alone, and the exit code is 1."""
     plan = ckpt.plan_prune(ckpt.find(path), args.keep)
-    for c in plan.remove:
+    refused = [c for c in plan.remove if _refuse_deletion(c)]
+    remove = [c for c in plan.remove if c not in refused]
+    for c in remove:
         print(f"{'would remove' if args.dry_run else 'removing'} task {c.task} {c.folder.name} ({ckpt.human_size(c.size)})")
+    kept = len(plan.keep) + len(refused)
     if args.dry_run:
-        print(f"dry run: {len(plan.remove)} to remove, {len(plan.keep)} kept; nothing removed")
-        return 0
-    for c in plan.remove:
+        print(f"dry run: {len(remove)} to remove, {kept} kept; nothing removed")
+        return 1 if refused else 0
+    removed = 0
+    for c in remove:
         try:
-            contract.discard_checkpoint(c.folder)
+            contract.discard_checkpoint(c.folder)  # checks again: nothing changed meanwhile
         except FileNotFoundError:
             continue  # removed meanwhile (the run's own rotation): the same end
+        except contract.UnsafeDeletion as exc:
+            print(f"not removing task {c.task} {c.folder.name}: {exc}", file=sys.stderr)
+            kept += 1
+            continue
+        removed += 1
         if owner and c.step is not None and c.task.isdigit():
             owner[0].mark_checkpoint(owner[1]["id"], int(c.task), c.step, CheckpointState.PRUNED)
-    if owner and plan.remove:
+    if owner and removed:
         ledger, exp = owner
-        ledger.event(exp["id"], "checkpoint.pruned", f"orchestrate ckpt prune --keep {args.keep}: removed {len(plan.remove)} checkpoint(s)")
-    print(f"removed {len(plan.remove)} checkpoint(s), kept {len(plan.keep)}")
-    return 0
+        ledger.event(exp["id"], "checkpoint.pruned", f"orchestrate ckpt prune --keep {args.keep}: removed {removed} checkpoint(s)")
+    print(f"removed {removed} checkpoint(s), kept {kept}")
+    return 1 if refused or kept > len(plan.keep) else 0
+
+
+def _refuse_deletion(c) -> bool:
+    """Says so on stderr when ``c`` must not be deleted (contract.deletion_problem)."""
+    why = contract.deletion_problem(c.folder)
+    if why:
+        print(f"not removing task {c.task} {c.folder.name}: {why}", file=sys.stderr)
+    return why is not None

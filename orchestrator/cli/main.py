@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 from orchestrator.cli.parser import build_parser
@@ -38,6 +39,7 @@ def handler(command: str):
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     args = build_parser().parse_args(argv)
+    old_umask = os.umask(0o077)  # the ledger and run folders are the user's alone (contract.perms)
     try:
         return handler(args.command)(args)
     except UserError as exc:
@@ -48,3 +50,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    finally:
+        os.umask(old_umask)

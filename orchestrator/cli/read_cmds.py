@@ -5,11 +5,14 @@ They run on login nodes, so they import nothing heavy (no torch; tests/test_arch
 
 from __future__ import annotations
 
+import codecs
 import json
+import os
 import sys
 import time
 
 from orchestrator import contract
+from orchestrator.contract import safe_read
 from orchestrator.cli import render
 from orchestrator.cli.console import stdout_console
 from orchestrator.errors import UserError
@@ -27,7 +30,7 @@ def cmd_status(args) -> int:
     exps = [ledger.experiment(e["id"]) for e in exps]
     doc = render.status_document(ledger, exps)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(render.json_safe(doc), indent=2))
         return 0
     if not exps:
         print("no experiments yet; start one with `orchestrate submit SPEC`")
@@ -42,7 +45,7 @@ def cmd_events(args) -> int:
     refresh.refresh(ledger, [exp])
     events = ledger.events(exp["id"])
     if args.json:
-        print(json.dumps(events, indent=2))
+        print(json.dumps(render.json_safe(events), indent=2))
     else:
         for e in events:
             print(render.event_line(e))
@@ -72,12 +75,26 @@ def cmd_logs(args) -> int:
         time.sleep(1.0)
 
 
+LOG_CHUNK = 1 << 20
+
+
 def _print_from(path, pos: int) -> int:
-    """Copy a log to stdout from byte ``pos``; the position after it."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        fh.seek(pos)
-        chunk = fh.read()
-        pos = fh.tell()
-    sys.stdout.write(chunk)
+    """Copy a log to stdout from byte ``pos``, a chunk at a time; the position after it.
+    The log is the rank's own output, copied as it is; but only from a regular file: a
+    FIFO or a link to a device there would hang or flood this command."""
+    try:
+        fd = safe_read.open_regular(path)
+    except safe_read.BadRecord as exc:
+        raise UserError(f"not showing {path}: it {exc}") from None
+    if fd is None:
+        return pos
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    try:
+        os.lseek(fd, pos, os.SEEK_SET)
+        while chunk := os.read(fd, LOG_CHUNK):
+            sys.stdout.write(decoder.decode(chunk))
+            pos += len(chunk)
+    finally:
+        os.close(fd)
     sys.stdout.flush()
-    return pos
+    return pos - len(decoder.getstate()[0])  # a character cut at the end: read again next time

@@ -1,15 +1,109 @@
 """Ledger rows -> what users read: the status document (read from the ledger, at a
-given time), and tables and event lines (pure functions of that document and rows)."""
+given time), and tables and event lines (pure functions of that document and rows).
+
+Whatever comes from the ledger may be of a damaged type (an older version stored what
+a bad record said) or hostile text (a trainer's event cause): the document coerces each
+value to its type or None, and everything printed goes through ``printable`` (control
+characters escaped, long text cut) into rich ``Text`` (never read as markup).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
+import unicodedata
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
+from orchestrator.contract.safe_read import cut
 from orchestrator.ledger import Ledger
+
+MESSAGE_MAX = 500  # an event's cause, a task's reason
+VALUE_MAX = 200  # any other value in a table cell
+
+# C0 and C1 controls, and the format characters that reorder or hide text (bidi overrides)
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u00ad\u061c\u115f\u1160\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def as_text(value: Any) -> str:
+    """Any ledger value as text: bytes decoded, never raising."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    try:
+        return str(value)
+    except Exception:  # an int too long to print, an object whose __str__ raises
+        return f"<{type(value).__name__}>"
+
+
+def printable(value: Any, limit: int = MESSAGE_MAX) -> str:
+    """One line of terminal-safe text: control and invisible format characters escaped
+    (ESC, CR, newline, bidi overrides), cut to ``limit`` characters."""
+    text = cut(as_text(value), limit)
+    text = _UNSAFE.sub(_escape, text)
+    if not text.isprintable():  # other format characters (Cf) the pattern does not list
+        text = "".join(ch if ch.isprintable() or unicodedata.category(ch) != "Cf" else f"\\u{ord(ch):04x}" for ch in text)
+    return text
+
+
+def _number(value: Any) -> float | int | None:
+    """A finite number, or None (a damaged value never reaches a format spec)."""
+    if type(value) is int:
+        return value
+    if type(value) is float and math.isfinite(value):
+        return value
+    return None
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else as_text(value)
+
+
+def _params(raw: Any) -> dict:
+    try:
+        params = json.loads(raw or "{}")
+    except (TypeError, ValueError, RecursionError):
+        return {"params": as_text(raw)}
+    return params if isinstance(params, dict) else {"params": params}
+
+
+def _nodes(last: dict, task: dict) -> list[str]:
+    nodes = _str(last.get("nodes")) or _str(task.get("nodes")) or ""
+    return [n for n in nodes.split(",") if n]
+
+
+def task_document(t: dict, mine: list[dict], now: float) -> dict:
+    """One task of the status document; every value of its type, or None."""
+    last = mine[-1] if mine else {}
+    ended = last.get("state") not in (None, "PENDING", "RUNNING", "COMPLETED")
+    heartbeat_at = _number(t.get("heartbeat_at"))
+    return {
+        "index": t["idx"],
+        "params": _params(t.get("params")),
+        "state": _str(t.get("state")),
+        "attempts": len(mine),
+        "restarts": sum(_number(a.get("restarts")) or 0 for a in mine),
+        "step": _number(t.get("step")),
+        "loss": _number(t.get("loss")),
+        "eval_loss": _number(t.get("eval_loss")),
+        "throughput": _number(t.get("throughput")),
+        "heartbeat_age_s": round(now - heartbeat_at, 1) if heartbeat_at else None,
+        "nodes": _nodes(last, t),
+        "job_id": _str(last.get("job_id")),
+        "checkpoint": _str(t.get("checkpoint")),
+        "reason": _str(t.get("reason") or (last.get("reason") if ended else None)),
+        "failure": _str(last.get("failure")) if ended else None,
+    }
 
 
 def status_document(ledger: Ledger, experiments: list[dict], now: float | None = None) -> dict:
@@ -20,30 +114,7 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
         attempts: dict[int, list[dict]] = {}
         for a in ledger.attempts(exp["id"]):
             attempts.setdefault(a["idx"], []).append(a)
-        tasks = []
-        for t in ledger.tasks(exp["id"]):
-            mine = attempts.get(t["idx"], [])
-            last = mine[-1] if mine else {}
-            ended = last.get("state") not in (None, "PENDING", "RUNNING", "COMPLETED")
-            tasks.append(
-                {
-                    "index": t["idx"],
-                    "params": json.loads(t["params"] or "{}"),
-                    "state": t["state"],
-                    "attempts": len(mine),
-                    "restarts": sum(a.get("restarts") or 0 for a in mine),
-                    "step": t["step"],
-                    "loss": t["loss"],
-                    "eval_loss": t.get("eval_loss"),
-                    "throughput": t["throughput"],
-                    "heartbeat_age_s": round(now - t["heartbeat_at"], 1) if t["heartbeat_at"] else None,
-                    "nodes": (last.get("nodes") or t["nodes"] or "").split(",") if (last.get("nodes") or t["nodes"]) else [],
-                    "job_id": last.get("job_id"),
-                    "checkpoint": t["checkpoint"],
-                    "reason": t["reason"] or (last.get("reason") if ended else None),
-                    "failure": last.get("failure") if ended else None,
-                }
-            )
+        tasks = [task_document(t, attempts.get(t["idx"], []), now) for t in ledger.tasks(exp["id"])]
         out.append(
             {
                 "name": exp["name"],
@@ -59,52 +130,85 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
     return {"experiments": out}
 
 
+def json_safe(value: Any) -> Any:
+    """Ledger rows as strict JSON: bytes as text, NaN and infinities as null."""
+    if isinstance(value, dict):
+        return {as_text(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return as_text(value)
+
+
 _STYLE = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "RECOVERING": "magenta"}
 
 
-def _fmt(v: Any, spec: str = "") -> str:
+def _fmt(v: Any, spec: str = "", limit: int = VALUE_MAX) -> str:
     if v is None or v == "":
         return "-"
-    return format(v, spec) if spec else str(v)
+    if spec and _number(v) is not None:
+        return format(v, spec)
+    return printable(v, limit)
+
+
+def _cell(v: Any, spec: str = "", limit: int = VALUE_MAX, style: str = "") -> Text:
+    return Text(_fmt(v, spec, limit), style=style)
+
+
+def _state_style(state: Any) -> str:
+    return _STYLE.get(state, "white") if isinstance(state, str) else "white"
 
 
 def status_tables(doc: dict) -> list[Table]:
     tables = []
     for exp in doc["experiments"]:
-        t = Table(
-            title=f"{exp['name']} [dim]{exp['id']}[/] [{_STYLE.get(exp['state'], 'white')}]{exp['state']}[/] ({exp['executor']})",
-            title_justify="left",
+        title = Text.assemble(
+            printable(exp["name"], VALUE_MAX), " ", (printable(exp["id"], VALUE_MAX), "dim"), " ",
+            (printable(exp["state"], VALUE_MAX), _state_style(exp["state"])), f" ({printable(exp['executor'], VALUE_MAX)})",
         )
+        t = Table(title=title, title_justify="left")
         if exp["watcher"] is None and exp["state"] not in ("COMPLETED", "FAILED", "CANCELLED"):
             t.caption = "no watcher: hangs and failures are recovered only while `orchestrate watch` runs"
         for col in ("task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "hb age", "nodes", "checkpoint", "reason"):
             t.add_column(col, overflow="fold")
         for task in exp["tasks"]:
-            params = ", ".join(f"{k}={v}" for k, v in task["params"].items()) or "-"
+            params = ", ".join(f"{as_text(k)}={as_text(v)}" for k, v in task["params"].items())
+            age = task["heartbeat_age_s"]
             t.add_row(
-                str(task["index"]),
-                params,
-                f"[{_STYLE.get(task['state'], 'white')}]{task['state']}[/]",
-                str(task["attempts"]),
-                str(task["restarts"]),
-                _fmt(task["step"]),
-                _fmt(task["loss"], ".4f"),
-                _fmt(task["eval_loss"], ".4f"),
-                _fmt(task["throughput"], ",.0f"),
-                _fmt(task["heartbeat_age_s"], ".0f") + ("s" if task["heartbeat_age_s"] is not None else ""),
-                ",".join(task["nodes"]) or "-",
-                _fmt(task["checkpoint"]),
-                _fmt(task["reason"]),
+                _cell(task["index"]),
+                _cell(params),
+                _cell(task["state"], style=_state_style(task["state"])),
+                _cell(task["attempts"]),
+                _cell(task["restarts"]),
+                _cell(task["step"]),
+                _cell(task["loss"], ".4f"),
+                _cell(task["eval_loss"], ".4f"),
+                _cell(task["throughput"], ",.0f"),
+                Text(_fmt(age, ".0f") + ("s" if _number(age) is not None else "")),
+                _cell(",".join(task["nodes"])),
+                _cell(task["checkpoint"]),
+                _cell(task["reason"], limit=MESSAGE_MAX),
             )
         tables.append(t)
     return tables
 
 
+def _when(t: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return printable(t, 19).ljust(19)
+
+
 def event_line(e: dict) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
-    who = "experiment" if e["idx"] is None else f"task {e['idx']}" + (f" attempt {e['attempt']}" if e["attempt"] else "")
-    change = f" {e['old_state'] or '-'} -> {e['new_state']}" if e["new_state"] else ""
-    return f"{when}  {who:<20} {e['kind']:<22}{change}  {e['cause']}"
+    """One event as one terminal-safe line."""
+    idx, attempt = e.get("idx"), e.get("attempt")
+    who = "experiment" if idx is None else f"task {printable(idx, 20)}" + (f" attempt {printable(attempt, 20)}" if attempt else "")
+    change = f" {printable(e.get('old_state') or '-', 40)} -> {printable(e.get('new_state'), 40)}" if e.get("new_state") else ""
+    return f"{_when(e.get('time'))}  {who:<20} {printable(e.get('kind'), 60):<22}{change}  {printable(e.get('cause'))}"
 
 
 def count(n: int) -> str:

@@ -38,13 +38,15 @@ def cmd_plan(args) -> int:
     tasks = {t.index: t for t in plan.tasks}
     if args.task not in tasks:
         raise UserError(f"--task {args.task}: the sweep has tasks 0..{len(tasks) - 1}")
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be at least 1")
+    for flag, value, most in (("--nodes", args.nodes, 100_000), ("--gpus-per-node", args.gpus_per_node, 1024)):
+        if value is not None and not 1 <= value <= most:  # the spec's bounds of resources.nodes, tasks_per_node
+            raise UserError(f"{flag} must be 1 to {most}")
     try:
         gpu_memory = parse_memory_mb(args.gpu_memory) * 1024**2 if args.gpu_memory else None
     except ValueError as exc:
         raise UserError(f"--gpu-memory: {exc}") from None
+    if gpu_memory == 0:
+        raise UserError("--gpu-memory: a GPU has more than 0 memory; leave the option out when unknown")
     spec = tasks[args.task].spec
     doc = mp.plan(mp.shape_of(spec), mp.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory))
     doc["spec_engine"] = mp.candidate_of(spec.engine)

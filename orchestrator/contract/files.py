@@ -9,6 +9,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import perms
+from .safe_read import BadRecord, read_capped
+
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -17,6 +20,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, perms.file_mode())  # mkstemp's 0600 ignores a group-shared run
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -41,6 +45,7 @@ def create_exclusive_json(path: str | os.PathLike, obj: Any) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, perms.file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(obj, fh, sort_keys=True)
             fh.flush()
@@ -54,12 +59,18 @@ def create_exclusive_json(path: str | os.PathLike, obj: Any) -> bool:
             os.unlink(tmp)
 
 
+READ_JSON_MAX = 64 * 1024 * 1024
+
+
 def read_json(path: str | os.PathLike) -> Any | None:
-    """The parsed file, or None when it is absent or unreadable (never raises)."""
+    """The parsed file, or None when it is absent or unreadable (never raises). Only a
+    regular file (a link is followed to one: Hugging Face caches link their files), never
+    more than READ_JSON_MAX: a FIFO or a device never hangs or floods the reader. Records
+    of the run folder are read through ``safe_read`` instead, checked against a schema."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        data = read_capped(path, READ_JSON_MAX, follow=True)
+        return None if data is None else json.loads(data.decode("utf-8"))
+    except (BadRecord, ValueError, RecursionError):
         return None
 
 

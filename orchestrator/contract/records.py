@@ -1,4 +1,9 @@
-"""Records the compute side writes for the login side (their fields, in one place)."""
+"""Records the compute side writes for the login side (their fields, in one place).
+
+The ``Schema`` of each kind is what the login side accepts when it reads one back
+(``safe_read``): the fields it uses, each of its type. A record that does not fit is
+skipped, never half-used.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import os
 import time
 
 from .codes import TextEnum
+from .safe_read import NAME_MAX, Schema, count, flag, integer, items, launch_name, name, nullable, number, path_text, text
 
 CONTRACT_VERSION = 1
 
@@ -55,3 +61,54 @@ def heartbeat_record(
         "step_time_s": step_time_s,
         "time": time.time(),
     }
+
+
+# ---------------------------------------------------------------- what the login side accepts
+
+MESSAGE_MAX = 4000  # an exception's message, an event's cause
+TRACEBACK_MAX = 16000
+
+HEARTBEAT = Schema(
+    "heartbeat",
+    {"rank": count, "generation": count, "node": name, "pid": count, "launch": name, "step": count, "phase": name,
+     "step_time_s": nullable(number), "time": number},
+    required=("rank", "time"),
+    defaults={"generation": 0},
+)
+METRIC = Schema(
+    "metrics line",
+    {"step": count, "loss": nullable(number), "lr": nullable(number), "throughput": nullable(number),
+     "eval_loss": nullable(number), "time": nullable(number)},
+    required=("step",),
+)
+TRAINER_EVENT = Schema(
+    "trainer event",
+    {"event": name, "cause": text(MESSAGE_MAX), "step": count, "folder": path_text, "time": number},
+    defaults={"event": "trainer", "cause": ""},
+)
+START = Schema(
+    "launch start",
+    {"launch": launch_name, "job_id": name, "restart_count": count, "nodes": items(name), "world_size": count, "time": number},
+    required=("launch", "job_id", "time"),
+    defaults={"restart_count": 0, "nodes": [], "world_size": 0},
+)
+NODE_END = Schema(
+    "node record",
+    {"exit_code": integer, "ended": number, "generation": count, "node": name},
+    required=("exit_code",),
+)
+ERROR = Schema(
+    "error record",
+    {"exit_code": integer, "rank": nullable(count), "kind": name, "type": text(NAME_MAX), "message": text(MESSAGE_MAX),
+     "traceback": text(TRACEBACK_MAX), "step": nullable(count), "generation": count, "time": number, "where": text(NAME_MAX)},
+    required=("exit_code",),
+    cap=256 * 1024,  # a traceback of non-ASCII text, escaped: six bytes a character
+)
+REQUEUE = Schema("requeue record", {"by": nullable(name), "cause": nullable(name), "reason": text(MESSAGE_MAX), "time": number})
+UNRESPONSIVE = Schema("unresponsive record", {"nodes": items(name), "time": number}, required=("nodes",))
+GENERATION_END = Schema(
+    "generation end",
+    {"generation": count, "action": name, "kind": name, "cause": text(MESSAGE_MAX), "decision": text(MESSAGE_MAX),
+     "step": nullable(count), "exit_code": integer, "time": number, "dump": flag, "rank": nullable(count),
+     "node": nullable(name), "by": text(MESSAGE_MAX)},
+)

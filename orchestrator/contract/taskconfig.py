@@ -32,6 +32,7 @@ class Resources:
     tasks_per_node: int = 1
     cpus_per_task: int = 1
     gpus_per_task: int = 0
+    share_with_group: bool = False
 
 
 @dataclass(frozen=True)

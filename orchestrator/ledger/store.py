@@ -49,6 +49,19 @@ def filesystem_type(path: str | os.PathLike) -> str | None:
     return best_type
 
 
+def _private(path: Path) -> None:
+    """The ledger holds whole specs, ``env`` values (tokens) included: 0600 whatever the
+    umask, and tightened if an older version left it readable (SQLite gives its -wal and
+    -shm files the database's mode)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if os.stat(p).st_mode & 0o077:
+                os.chmod(p, 0o600)
+        except FileNotFoundError:
+            pass
+
+
 class Ledger:
     def __init__(self, db: sqlite_utils.Database, clock: Callable[[], float] = time.time, strict: bool | None = None):
         self.db = db
@@ -61,7 +74,8 @@ class Ledger:
     def open(cls, path: str | os.PathLike, clock: Callable[[], float] = time.time) -> "Ledger":
         path = Path(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _private(path)
             conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
         except (OSError, sqlite3.Error) as exc:
             raise UserError(f"cannot open the ledger at '{path}': {exc}; set ORCHESTRATE_HOME to a writable folder") from None
@@ -130,6 +144,14 @@ class Ledger:
                 "cause": cause,
             }
         )
+
+    def has_event(self, experiment_id: str, kind: str, cause: str, *, idx: int | None = None) -> bool:
+        """Whether this exact event was recorded already (events said once, not every refresh)."""
+        row = self.db.execute(
+            "select 1 from events where experiment_id = ? and idx is ? and kind = ? and cause = ? limit 1",
+            [experiment_id, idx, kind, cause],
+        ).fetchone()
+        return row is not None
 
     # ------------------------------------------------------------ experiments and tasks
 
@@ -309,8 +331,8 @@ class Ledger:
             {"experiment_id": exp_id, "idx": idx, "step": step, "path": path, "state": CheckpointState.COMMITTED.value, "created_at": created_at},
             pk=("experiment_id", "idx", "step"),
         )
-        row = self.task(exp_id, idx)
-        if row.get("checkpoint") is None or step >= int(str(row["checkpoint"]).split(" ")[0] or 0):
+        shown = str(self.task(exp_id, idx).get("checkpoint") or "").split(" ")[0]
+        if not (shown.isascii() and shown.isdigit()) or step >= int(shown):  # a damaged value is replaced, never fatal
             self.update_task(exp_id, idx, checkpoint=str(step))
 
     def mark_checkpoint(self, exp_id: str, idx: int, step: int, state: CheckpointState) -> None:

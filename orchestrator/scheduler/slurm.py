@@ -33,6 +33,7 @@ from orchestrator.errors import SchedulerError, UserError
 from orchestrator.scheduler import commands
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
+from orchestrator.spec import slurmtext
 from orchestrator.spec.units import parse_memory_mb
 from orchestrator.submit import fragments
 from orchestrator.submit.plan import Plan
@@ -60,16 +61,6 @@ def batch_parameters(plan: Plan) -> dict:
     for key, value in r.sbatch_extra.items():
         if value is not False:
             extra[key.lstrip("-")] = value
-    values = {
-        "name": shlex.quote(plan.name),
-        "experiment_id": plan.experiment_id,
-        "run_dir": shlex.quote(str(plan.run_dir)),
-    }
-    setup = fragments.render(fragments.COMMON, values)
-    for name in r.setup_templates:
-        setup += fragments.render(name, values)
-    if r.setup:
-        setup += ["# --- resources.setup", *r.setup]
     params = {
         "job_name": f"{plan.name}-{plan.experiment_id}",
         "time": max(1, math.ceil(r.time_seconds / 60)),
@@ -87,12 +78,76 @@ def batch_parameters(plan: Plan) -> dict:
         "array_parallelism": min(plan.max_parallel or n, n),
         "stderr_to_stdout": True,
         "signal_delay_s": plan.spec.checkpoint.signal_before_s,
-        "setup": setup,
         # one failed node agent ends the step: the others' ranks would only hang
         "srun_args": ["--kill-on-bad-exit=1", *r.srun_args],
         "additional_parameters": extra,
     }
-    return {k: v for k, v in params.items() if v is not None}
+    params = {k: v for k, v in params.items() if v is not None}
+    check_parameters(params, submitit_folder(plan))  # before the fragments, so that a refusal names the spec field
+    params["setup"] = setup_lines(plan)
+    return check_parameters(params, submitit_folder(plan))
+
+
+def setup_lines(plan: Plan) -> list[str]:
+    """The batch script's setup: common.sh, the named fragments, then resources.setup."""
+    values = {"name": plan.name, "experiment_id": plan.experiment_id, "run_dir": str(plan.run_dir)}  # render quotes them
+    lines = fragments.render(fragments.COMMON, values)
+    for name in plan.resources.setup_templates:
+        lines += fragments.render(name, values)
+    if plan.resources.setup:
+        lines += ["# --- resources.setup", *plan.resources.setup]
+    return lines
+
+
+# where each sbatch parameter comes from, for the error that refuses it
+_SOURCE = {
+    "job_name": "name",
+    "partition": "resources.partition",
+    "account": "resources.account",
+    "qos": "resources.qos",
+    "constraint": "resources.constraint",
+    "exclude": "resources.exclude",
+    "additional_parameters": "resources.sbatch_extra",
+    "srun_args": "resources.srun_args",
+    "setup": "resources.setup",
+}
+
+
+def check_parameters(params: dict, folder: Path) -> dict:
+    """The last check before submitit writes the script: no value may end its
+    ``#SBATCH`` line or read differently to sbatch and bash (submitit quotes values
+    with shlex.quote and writes option names as they are). The spec refuses all of
+    this already; here it catches values that never went through a spec (an edited
+    sbatch-parameters.json, a run folder under an odd current directory)."""
+    try:
+        slurmtext.path_text(str(folder))  # in the log paths of --output/--error
+    except ValueError as exc:
+        raise UserError(f"refusing to write the batch script: the run folder (workdir): {exc}") from None
+    for key, value in params.items():
+        try:
+            _check_parameter(key, value)
+        except ValueError as exc:
+            where = _SOURCE.get(key, f"sbatch parameter {slurmtext.shown(key)}")
+            raise UserError(f"refusing to write the batch script: {where}: {exc}") from None
+    return params
+
+
+def _check_parameter(key: str, value) -> None:
+    if key == "additional_parameters":
+        for option, v in value.items():
+            slurmtext.directive_text(option)
+            if not slurmtext.OPTION_NAME.fullmatch(option.replace("_", "-")):  # submitit turns _ into -
+                raise ValueError(f"{slurmtext.shown(option)} is not an sbatch option name")
+            if isinstance(v, str):
+                slurmtext.directive_text(v)
+    elif key == "srun_args":  # argv of srun, shell-quoted by submitit
+        for arg in value:
+            slurmtext.argv_element(arg)
+    elif key == "setup":  # shell lines, the user's own by design
+        for line in value:
+            slurmtext.no_nul(line)
+    elif isinstance(value, str):
+        slurmtext.directive_text(value)
 
 
 def submit_command(python: str, folder: Path) -> str:
@@ -262,6 +317,7 @@ class SlurmScheduler:
         if excluded:
             params["exclude"] = ",".join(excluded)
         params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
+        check_parameters(params, Path(run_dir) / "submitit")  # the file may have been edited since
         executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit")
         executor.update_parameters(**params)
         return executor.submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id

@@ -5,6 +5,7 @@ A union picked by its `kind` key; the engine-specific checks live with each kind
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, field_validator, model_validator
@@ -57,17 +58,25 @@ class FSDPEngine(_EngineCommon):
         "(the transformer blocks).",
     )
 
+    @field_validator("wrap")
+    @classmethod
+    def _class_names(cls, v: list[str]) -> list[str]:
+        for i, name in enumerate(v):
+            if not re.fullmatch(r"[A-Za-z_]\w*", name):
+                raise FieldError((i,), f"{name[:60]!r} is not a class name (letters, digits and '_')")
+        return v
+
 
 class DeepSpeedEngine(_EngineCommon):
     """DeepSpeed ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) partitioned."""
 
     kind: Literal["deepspeed"] = Field(description="`deepspeed`.")
-    stage: int = Field(2, ge=0, le=3, description="ZeRO stage 0-3.")
+    stage: int = Field(2, ge=0, le=3, strict=True, description="ZeRO stage 0-3.")
     offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
         "none", description="Where optimizer state and the fp32 master weights live (ZeRO-Offload; stage 1-3)."
     )
     offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameters live (stage 3 only).")
-    nvme_path: str | None = Field(None, description="A fast local folder for NVMe offload, on every node.")
+    nvme_path: str | None = Field(None, min_length=1, description="A fast local folder for NVMe offload, on every node.")
     template: str = Field("zero", description="DeepSpeed config template in `templates/deepspeed/` (without `.json`).")
     config: dict[str, Any] = Field(
         default_factory=dict,
@@ -83,11 +92,11 @@ class DeepSpeedEngine(_EngineCommon):
             raise FieldError(("offload_optimizer",), "optimizer offload needs stage 1, 2 or 3")
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise FieldError(("nvme_path",), "NVMe offload needs nvme_path: a fast local folder on every node")
-        from orchestrator.submit.deepspeed_config import check_overrides, template_names
+        from orchestrator.submit.deepspeed_config import check_overrides, load_template, template_names
 
         if self.template not in template_names():
-            raise FieldError(("template",), f"no DeepSpeed template '{self.template}'; available: {', '.join(template_names())}")
-        for path, message in check_overrides(self.config):
+            raise FieldError(("template",), f"no DeepSpeed template '{self.template[:60]}'; available: {', '.join(template_names())}")
+        for path, message in check_overrides(self.config, load_template(self.template)):
             raise FieldError(("config", *path), message)
         return self
 

@@ -6,9 +6,11 @@ Sections live in ``workload``, ``engines`` and ``sections``; loading in ``load``
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from orchestrator.spec import slurmtext
 from orchestrator.spec.engines import DDPEngine, EngineSpec
 from orchestrator.spec.hf import Eval
 from orchestrator.spec.sections import (
@@ -22,7 +24,7 @@ from orchestrator.spec.sections import (
     Schedule,
     Sweep,
 )
-from orchestrator.spec.strict import FieldError, Strict
+from orchestrator.spec.strict import MAX_GLOBAL_BATCH, MAX_SEED, MAX_STEPS, FieldError, Strict
 from orchestrator.spec.workload import DataSpec, GPTModel, ModelSpec, SyntheticData
 
 
@@ -30,7 +32,7 @@ class Spec(Strict):
     """One experiment: what to train, how, where, and what to do when things fail."""
 
     name: str = Field(description="Experiment name: letters, digits, `_.-`, at most 64.")
-    workdir: str | None = Field(
+    workdir: slurmtext.OptionalPath = Field(
         None, description="Where run folders are created; relative to the current directory. Default: `$ORCHESTRATE_HOME/runs`."
     )
     model: ModelSpec = Field(default_factory=GPTModel, description="The model: `kind: gpt`, `hf`, `entrypoint` or `script`.")
@@ -38,9 +40,9 @@ class Spec(Strict):
     engine: EngineSpec = Field(default_factory=DDPEngine, description="The parallelism engine.")
     optimizer: Optimizer = Field(default_factory=Optimizer, description="Optimizer.")
     schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate schedule.")
-    seed: int = Field(0, description="Seed of initialisation and data order.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="Seed of initialisation and data order.")
     batch: Batch = Field(default_factory=Batch, description="Batch sizes.")
-    steps: int = Field(ge=1, description="Optimizer steps to train.")
+    steps: int = Field(ge=1, le=MAX_STEPS, strict=True, description="Optimizer steps to train.")
     resources: Resources = Field(default_factory=Resources, description="What each task asks the scheduler for.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the training processes.")
     sweep: Sweep = Field(default_factory=Sweep, description="Sweep over any field except name, workdir, resources, sweep.")
@@ -55,7 +57,18 @@ class Spec(Strict):
     def _name(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
             raise ValueError("use letters, digits, '_', '.', '-' (at most 64, starting with a letter or digit)")
-        return v
+        return slurmtext.directive_text(v)  # it is in the job name and log paths of #SBATCH lines
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        for key in v:
+            if not (isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)):
+                raise FieldError((key,), "not an environment variable name (letters, digits and '_', not starting with a digit)")
+        # `OMP_NUM_THREADS: 4`: a number is the text it is written as; anything else must be quoted
+        return {k: str(x) if isinstance(x, int) and not isinstance(x, bool) else x for k, x in v.items()}
 
     @model_validator(mode="after")
     def _across_fields(self) -> "Spec":
@@ -80,7 +93,19 @@ class Spec(Strict):
             b.grad_accum = 1
         if b.global_batch_size is None:
             b.global_batch_size = per_step * b.grad_accum
+            if b.global_batch_size > MAX_GLOBAL_BATCH:  # each factor is bounded, their product is not
+                raise FieldError(
+                    ("batch", "micro_batch_size"),
+                    f"micro_batch_size x grad_accum x world size = {b.global_batch_size} sequences per step; at most "
+                    f"{MAX_GLOBAL_BATCH}",
+                )
         self._workload_pairs()
+        if self.checkpoint.signal_before_s >= self.resources.time_seconds:
+            raise FieldError(
+                ("checkpoint", "signal_before_s"),
+                f"{self.checkpoint.signal_before_s} s before the time limit ({self.resources.time}) is before the task "
+                "starts: every run would be stopped at once; lower it or raise resources.time",
+            )
         if self.checkpoint.async_save and self.engine.kind == "deepspeed":
             raise FieldError(("checkpoint", "async_save"), "DeepSpeed saves synchronously; async_save is for ddp and fsdp (DCP)")
         if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:

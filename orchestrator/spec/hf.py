@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.spec.strict import Strict
+from orchestrator.spec.strict import MAX_STEPS, Strict
 
 _MODULE_NAME = re.compile(r"[A-Za-z_][\w.]*")
 
@@ -21,9 +21,9 @@ _MODULE_NAME = re.compile(r"[A-Za-z_][\w.]*")
 class Lora(Strict):
     """Low-rank adapters on the named linear layers; the base stays frozen."""
 
-    r: int = Field(16, ge=1, le=4096, description="Rank of the adapters.")
-    alpha: float = Field(32, gt=0, description="Scale numerator: the update is `alpha / r` x B A.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    r: int = Field(16, ge=1, le=4096, strict=True, description="Rank of the adapters.")
+    alpha: float = Field(32, gt=0, le=1e6, strict=True, description="Scale numerator: the update is `alpha / r` x B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, strict=True, description="Dropout on the adapters' input.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
@@ -60,6 +60,7 @@ class HFModel(Strict):
 
     kind: Literal["hf"] = Field(description="`hf`: a Hugging Face causal LM.")
     path: str = Field(
+        min_length=1,
         description="Model folder with `config.json` and weights (or a GGUF file, see `gguf_file`); relative to the "
         "spec's folder, `~` expanded. It must be readable from the compute nodes."
     )
@@ -102,16 +103,18 @@ class JsonlData(Strict):
     assistant's (completion's) tokens carry loss."""
 
     kind: Literal["jsonl"] = Field(description="`jsonl`: records from a JSON-lines file.")
-    path: str = Field(description="The training records; relative to the spec's folder, readable from the compute nodes.")
+    path: str = Field(
+        min_length=1, description="The training records; relative to the spec's folder, readable from the compute nodes."
+    )
     format: Literal["chat", "instruction"] = Field("chat", description="`chat`: `messages`; `instruction`: `prompt` and `completion`.")
-    max_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per example (per row when packing); longer ones are truncated and counted.")
+    max_length: int = Field(512, ge=8, le=1_048_576, strict=True, description="Tokens per example (per row when packing); longer ones are truncated and counted.")
     packing: bool = Field(
         False, description="Pack several examples into each row of `max_length` tokens; position ids restart per example "
         "and no example attends to another."
     )
-    eval_path: str | None = Field(None, description="Held-out records for evaluation (same format).")
+    eval_path: str | None = Field(None, min_length=1, description="Held-out records for evaluation (same format).")
     eval_fraction: float | None = Field(
-        None, gt=0, lt=1, description="Hold out this fraction of `path` for evaluation instead (a deterministic choice)."
+        None, gt=0, lt=1, strict=True, description="Hold out this fraction of `path` for evaluation instead (a deterministic choice)."
     )
 
     @model_validator(mode="after")
@@ -124,7 +127,9 @@ class JsonlData(Strict):
 class Eval(Strict):
     """Evaluation loss on the held-out split during training (every rank takes part)."""
 
-    every_steps: int | None = Field(None, ge=1, description="Evaluate every this many steps and at the end; null: never.")
+    every_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, strict=True, description="Evaluate every this many steps and at the end; null: never."
+    )
     max_batches: int | None = Field(
-        None, ge=1, description="Micro-batches per rank per evaluation; null: the whole split."
+        None, ge=1, le=MAX_STEPS, strict=True, description="Micro-batches per rank per evaluation; null: the whole split."
     )

@@ -15,7 +15,11 @@ from orchestrator.spec.experiment import Spec
 from orchestrator.spec.strict import FieldError
 
 
-def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=frozenset()) -> list[SpecIssue]:
+def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=None) -> list[SpecIssue]:
+    """One issue per pydantic error; ``set_paths`` (path -> `--set` item) defaults to the
+    overrides the line map records."""
+    if set_paths:
+        lines = _with_overrides(lines, set_paths)
     issues = []
     for err in exc.errors():
         path = data_path(raw, err["loc"])
@@ -36,25 +40,29 @@ def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_pa
             ctx = err.get("ctx", {})
             msg = f"unknown kind {ctx.get('tag')!r}; valid kinds: {ctx.get('expected_tags')}"
         if err["type"] not in ("missing", "extra_forbidden", "union_tag_invalid") and "input" in err and not isinstance(err["input"], (dict, list)):
-            msg += f" (got {err['input']!r})"
-        from_set = any(tuple(path[: len(p)]) == p for p in set_paths)
-        issues.append(
-            SpecIssue(
-                yamlsrc.dotted(path),
-                None if from_set else yamlsrc.line_of(lines, path),
-                msg,
-                "--set" if from_set else source,
-            )
-        )
+            got = yamlsrc.shorten(err["input"])
+            if not (isinstance(err["input"], str) and got[:20] in msg):  # a message quoting the text says it
+                msg += f" (got {got})"
+        issues.append(yamlsrc.issue(lines, path, msg, source))
     return issues
+
+
+def _with_overrides(lines: dict, set_paths) -> yamlsrc.LineMap:
+    out = yamlsrc.LineMap(lines)
+    out.overrides.update(getattr(lines, "overrides", {}))
+    for p in set_paths:
+        out.overrides.setdefault(tuple(p), set_paths[p] if isinstance(set_paths, dict) else yamlsrc.dotted(p))
+    return out
 
 
 def data_path(raw: Any, loc: tuple) -> tuple:
     """Turn a pydantic error location into a path in the data, dropping union tags."""
-    out, cur = [], raw
+    out, cur, tagged = [], raw, None
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
-        if isinstance(cur, dict) and part in cur:
+        if i and isinstance(cur, dict) and part == cur.get("kind") and part in _TAGS and tagged is not cur:
+            tagged = cur  # the union tag after its field: `model.script` is field `script` of kind `script`
+        elif isinstance(cur, dict) and part in cur:
             out.append(part)
             cur = cur[part]
         elif isinstance(cur, (list, tuple)) and isinstance(part, int) and part < len(cur):
@@ -65,6 +73,29 @@ def data_path(raw: Any, loc: tuple) -> tuple:
             cur = None
         # else: a union tag that pydantic puts in the location; it is not in the data
     return tuple(out)
+
+
+def _kinds(model: type[BaseModel], seen: set) -> set[str]:
+    """The `kind` tags of every union variant under ``model``."""
+    out: set[str] = set()
+    for field in model.model_fields.values():
+        for sub in _models_in(field.annotation):
+            if sub not in seen:
+                seen.add(sub)
+                kind = sub.model_fields.get("kind")
+                if kind is not None:
+                    out.update(a for a in typing.get_args(kind.annotation) if isinstance(a, str))
+                out |= _kinds(sub, seen)
+    return out
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+_TAGS = _kinds(Spec, set())
 
 
 def _in_data(raw: Any, loc: tuple) -> tuple:

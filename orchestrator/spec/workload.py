@@ -11,18 +11,18 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, Tag, field_validator, model_validator
 
 from orchestrator.spec.hf import HFModel, JsonlData
-from orchestrator.spec.strict import Strict, kind_discriminator
+from orchestrator.spec.strict import MAX_SEED, Strict, kind_discriminator
 
 
 class GPTModel(Strict):
     """The built-in GPT-style decoder (causal self-attention, pre-norm blocks)."""
 
     kind: Literal["gpt"] = Field("gpt", description="`gpt`: the built-in model.")
-    n_layer: int = Field(2, ge=1, le=96, description="Transformer blocks.")
-    n_head: int = Field(4, ge=1, description="Attention heads; must divide d_model.")
-    d_model: int = Field(128, ge=8, description="Embedding width.")
-    seq_len: int = Field(64, ge=2, description="Context length in tokens.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    n_layer: int = Field(2, ge=1, le=96, strict=True, description="Transformer blocks.")
+    n_head: int = Field(4, ge=1, le=1024, strict=True, description="Attention heads; must divide d_model.")
+    d_model: int = Field(128, ge=8, le=65536, strict=True, description="Embedding width.")
+    seq_len: int = Field(64, ge=2, le=1_048_576, strict=True, description="Context length in tokens.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, strict=True, description="Dropout probability.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "GPTModel":
@@ -55,6 +55,7 @@ class ScriptModel(Strict):
 
     kind: Literal["script"] = Field(description="`script`: your own training loop.")
     script: str = Field(
+        min_length=1,
         description="Path of the Python script (relative to the spec's folder). It uses `train_entry.client` for "
         "heartbeats, the stop signal and checkpoints; the rendered DeepSpeed config is in its reach."
     )
@@ -76,17 +77,19 @@ class SyntheticData(Strict):
     """Tokens from a fixed random sparse Markov chain: deterministic, no files, learnable."""
 
     kind: Literal["synthetic"] = Field("synthetic", description="`synthetic`: generated data.")
-    vocab_size: int = Field(32, ge=4, le=65536, description="Distinct tokens.")
-    branching: int = Field(2, ge=1, description="Likely successors of each token pair; the loss floor is about ln(branching).")
-    num_tokens: int = Field(200_000, ge=1000, description="Length of the generated corpus.")
-    seed: int = Field(0, description="Seed of the chain and the corpus (not of training).")
+    vocab_size: int = Field(32, ge=4, le=65536, strict=True, description="Distinct tokens.")
+    branching: int = Field(
+        2, ge=1, le=65536, strict=True, description="Likely successors of each token pair; the loss floor is about ln(branching)."
+    )
+    num_tokens: int = Field(200_000, ge=1000, le=10**8, strict=True, description="Length of the generated corpus.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="Seed of the chain and the corpus (not of training).")
 
 
 class TextData(Strict):
     """A text file, byte-level tokens (vocabulary 256)."""
 
     kind: Literal["text"] = Field(description="`text`: a file read as bytes.")
-    path: str = Field(description="Path of the text file, readable from the compute nodes.")
+    path: str = Field(min_length=1, description="Path of the text file, readable from the compute nodes.")
 
 
 DataSpec = Annotated[

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 from orchestrator.errors import UserError
 from orchestrator.submit.fragments import templates_dir
 
-# Entries the spec owns: set through these fields, never through engine.config.
+# Entries the spec owns: set through these fields, never through engine.config
+# (DeepSpeed's older spellings of them included: they would override the same thing).
 OWNED = {
     ("train_batch_size",): "batch.global_batch_size",
     ("train_micro_batch_size_per_gpu",): "batch.micro_batch_size",
@@ -23,9 +25,14 @@ OWNED = {
     ("scheduler",): "schedule",
     ("zero_optimization", "stage"): "engine.stage",
     ("zero_optimization", "offload_optimizer"): "engine.offload_optimizer",
+    ("zero_optimization", "cpu_offload"): "engine.offload_optimizer",
     ("zero_optimization", "offload_param"): "engine.offload_param",
+    ("zero_optimization", "cpu_offload_params"): "engine.offload_param",
     ("bf16",): "engine.precision",
+    ("bfloat16",): "engine.precision",
     ("fp16", "enabled"): "engine.precision",
+    ("amp",): "engine.precision",
+    ("torch_autocast",): "engine.precision",
     ("activation_checkpointing",): "engine.activation_checkpointing",
 }
 
@@ -43,25 +50,57 @@ def load_template(name: str) -> dict:
         raise UserError(f"cannot read DeepSpeed template {path}: {exc}") from None
 
 
-def check_overrides(config: dict) -> list[tuple[tuple, str]]:
-    """(path, message) for each entry of engine.config that the spec owns."""
+def check_overrides(config: dict, template: dict | None = None) -> list[tuple[tuple, str]]:
+    """(path, message) for each entry of engine.config that would change what the spec
+    owns, at any depth: an owned key, or a value that is not a mapping where one holds
+    an owned key (`zero_optimization: 5`) or where the template has a mapping."""
     out = []
-    for path in _leaf_paths(config):
-        for owned, field in OWNED.items():
-            if path[: len(owned)] == owned:
-                out.append((path, f"set by the spec: use `{field}` instead"))
-                break
+    for path, value in _leaves(config):
+        problem = _leaf_problem(path, value, template or {})
+        if problem:
+            out.append((path, problem))
     return out
 
 
-def _leaf_paths(d: dict, prefix: tuple = ()) -> list[tuple]:
+def _leaves(d: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, value) of every entry that is not a non-empty mapping."""
     out = []
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.extend(_leaf_paths(v, prefix + (k,)))
+            out.extend(_leaves(v, prefix + (k,)))
         else:
-            out.append(prefix + (k,))
+            out.append((prefix + (k,), v))
     return out
+
+
+def _leaf_problem(path: tuple, value: Any, template: dict) -> str | None:
+    # a dotted key is checked as the path it looks like: `zero_optimization.stage` is still owned
+    nested = tuple(p for k in path for p in (k.split(".") if isinstance(k, str) else [k]))
+    for owned, field in OWNED.items():
+        n = min(len(nested), len(owned))
+        if nested[:n] != owned[:n]:
+            continue
+        if len(nested) >= len(owned):
+            return f"set by the spec: use `{field}` instead"
+        if not isinstance(value, dict):
+            return (f"must be a mapping: it holds `{'.'.join(owned)}`, which the spec sets (`{field}`); "
+                    "give only the keys to change")
+    key = path[-1]
+    if isinstance(key, str) and "." in key:
+        return f"DeepSpeed reads nested mappings, not dotted keys: write {{{key.replace('.', ': {')}: ...{'}' * key.count('.')}}}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number"
+    if not isinstance(value, dict) and isinstance(_at(template, path), dict):
+        return "must be a mapping, as in the template; give only the keys to change"
+    return None
+
+
+def _at(d: Any, path: tuple) -> Any:
+    for k in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
 
 
 def merge(base: dict, over: dict) -> dict:

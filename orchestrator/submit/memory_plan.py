@@ -399,7 +399,7 @@ def setting_of(spec, nodes: int | None = None, gpus_per_node: int | None = None,
     return Setting(
         nodes=nodes or r.nodes,
         gpus_per_node=gpus_per_node or r.tasks_per_node,
-        gpu_memory=gpu_memory,
+        gpu_memory=gpu_memory or None,  # 0 is no size (SLURM's "all of it"): figures only, no recommendation
         micro_batch=spec.batch.micro_batch_size,
         grad_accum=spec.batch.grad_accum,
         precision=spec.engine.precision,

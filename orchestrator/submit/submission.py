@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 from pathlib import Path
 
 from orchestrator import contract
-from orchestrator.errors import UserError
+from orchestrator.contract import perms
+from orchestrator.errors import SpecError, SpecIssue, UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
+from orchestrator.spec import yamlsrc
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
 from orchestrator.submit import preflight
@@ -23,9 +26,9 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
     spec, raw, lines = load_spec(spec_path, overrides)
     here = Path(spec_path).resolve().parent
     if spec.model.kind == "script":  # the compute nodes need its absolute path
-        script = (here / Path(spec.model.script).expanduser()).resolve()
-        if not script.is_file():
-            raise UserError(f"{spec_path}: model.script: no file '{script}'")
+        script = _local_path(here, spec.model.script)
+        if not os.path.isfile(script):  # never raises (a name too long, say), unlike Path.is_file
+            raise SpecError([yamlsrc.issue(lines, ("model", "script"), f"no file '{script}'", str(spec_path))])
         spec.model.script = str(script)
         set_path(raw, ("model", "script"), str(script))
     _absolute_paths(spec, here, raw)
@@ -33,7 +36,7 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
     for t in tasks:  # a sweep may set them too
         _absolute_paths(t.spec, here)
     executor = executor or default_executor()
-    workdir = Path(spec.workdir).expanduser() if spec.workdir else home / "runs"
+    workdir = _local_path(Path.cwd(), spec.workdir) if spec.workdir else home / "runs"
     plan = build_plan(
         spec,
         tasks,
@@ -42,8 +45,31 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         spec_path=str(Path(spec_path).resolve()),
         workdir=workdir.resolve(),
     )
-    preflight.check(plan, lines, str(spec_path))  # the model folder and data files, before anything is queued
+    try:
+        preflight.check(plan, lines, str(spec_path))  # the model folder and data files, before anything is queued
+    except preflight.PreflightError as exc:
+        raise preflight.PreflightError([_blame_overrides(i, lines) for i in exc.issues]) from None
     return plan
+
+
+def _local_path(here: Path, text: str) -> Path:
+    """``text`` as an absolute path, relative ones from ``here``; `~user` of an unknown
+    user stays as written (then it is no file), not a traceback."""
+    path = Path(text)
+    try:
+        path = path.expanduser()
+    except RuntimeError:
+        pass
+    return (here / path).resolve()
+
+
+def _blame_overrides(issue: SpecIssue, lines: dict) -> SpecIssue:
+    """A preflight issue about a field a `--set` item wrote, moved onto `--set`."""
+    for path, item in getattr(lines, "overrides", {}).items():
+        field = yamlsrc.dotted(path)
+        if issue.path == field or issue.path.startswith((field + ".", field + "[")):
+            return SpecIssue(issue.path, None, f"{issue.message} (from --set {yamlsrc.shorten(item)})", "--set")
+    return issue
 
 
 def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:
@@ -52,7 +78,7 @@ def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:
     for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
         obj = getattr(spec, section)
         if obj.kind in ("hf", "jsonl") and getattr(obj, key, None):
-            absolute = str((here / Path(getattr(obj, key)).expanduser()).resolve())
+            absolute = str(_local_path(here, getattr(obj, key)))
             setattr(obj, key, absolute)
             if raw is not None:
                 set_path(raw, (section, key), absolute)
@@ -74,6 +100,15 @@ def write_run_folder(plan: Plan) -> None:
 def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:
     """Write the run folder, record the experiment, submit; on failure leave nothing half-made."""
     scheduler = scheduler or get_scheduler(plan.executor)
+    # the run folder, submitit's files and (through sbatch's SLURM_UMASK) the job's logs
+    old_umask = perms.apply(plan.spec.resources.share_with_group)
+    try:
+        return _submit(ledger, plan, scheduler)
+    finally:
+        os.umask(old_umask)
+
+
+def _submit(ledger: Ledger, plan: Plan, scheduler: Scheduler) -> dict[int, str]:
     write_run_folder(plan)
     ledger.create_experiment(
         {

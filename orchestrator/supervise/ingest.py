@@ -1,32 +1,43 @@
 """Compute-node files -> ledger: heartbeats, metrics and launch records.
 
 Idempotent: heartbeats and metrics are upserts, and metrics are read from a saved
-byte offset, so ingesting the same files twice changes nothing.
+byte offset, so ingesting the same files twice changes nothing. Every file is read
+through ``contract.safe_read`` and checked against its schema (``contract.records``):
+a bad record is skipped and reported once (``badrecords``), never fatal.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from orchestrator import contract
-from orchestrator.contract import GenerationAction
+from orchestrator.contract import GenerationAction, records
+from orchestrator.contract.safe_read import BadRecord, Lines, Schema, read_jsonl
 from orchestrator.ledger import Ledger
+from orchestrator.supervise import badrecords
+from orchestrator.supervise.badrecords import Problem, Problems
 from orchestrator.supervise.launches import LaunchRecord
 
 
 _HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "time")
 _METRIC_FIELDS = ("loss", "lr", "throughput", "eval_loss", "time")
+BATCHES_PER_REFRESH = 16  # reads of one JSONL file per refresh (safe_read.READ_MAX each); the rest waits
 
 
-def read_heartbeats(task_dir: str | Path) -> list[dict]:
+def read_heartbeats(task_dir: str | Path, problems: Problems | None = None) -> list[dict]:
     """The latest heartbeat of every rank (ledger columns, without the task's keys)."""
+    problems = [] if problems is None else problems
     rows = []
-    hb_dir = contract.heartbeat_dir(task_dir)
-    for f in hb_dir.glob(contract.HEARTBEAT_GLOB) if hb_dir.is_dir() else ():
-        rec = contract.read_json(f)
-        if rec:
-            rows.append({"rank": rec["rank"], "generation": rec.get("generation", 0), **{k: rec.get(k) for k in _HEARTBEAT_FIELDS}})
+    for f in badrecords.entries(contract.heartbeat_dir(task_dir), contract.HEARTBEAT_GLOB, problems):
+        if (rec := badrecords.read(f, records.HEARTBEAT, problems)) is not None:
+            rows.append({"rank": rec["rank"], "generation": rec["generation"], **{k: rec.get(k) for k in _HEARTBEAT_FIELDS}})
     return rows
+
+
+def _stored_number(value) -> float:
+    """A number the ledger holds; 0 for a damaged one (written by an older version)."""
+    return float(value) if type(value) in (int, float) and math.isfinite(value) else 0.0
 
 
 def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], metrics: list[dict]) -> dict:
@@ -37,7 +48,7 @@ def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], 
         fields["step"] = max(r["step"] or 0 for r in beats)
         fields["nodes"] = ",".join(sorted({r["node"] for r in beats if r["node"]}))
         slowest = max((r["step_time_s"] or 0 for r in beats), default=0)
-        if slowest > (ledger.task(exp_id, idx).get("step_time_max") or 0):
+        if slowest > _stored_number(ledger.task(exp_id, idx).get("step_time_max")):
             fields["step_time_max"] = slowest
     if metrics:
         last = max(metrics, key=lambda r: r["step"])
@@ -48,27 +59,63 @@ def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], 
     return fields
 
 
-def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path) -> None:
+class _Tail:
+    """The unread end of one append-only JSONL file: where the ledger says reading stopped."""
+
+    def __init__(self, ledger: Ledger, path: Path, schema: Schema):
+        self.ledger, self.path, self.schema = ledger, path, schema
+        self.skip_key = f"{path}#skipping"  # inside a line over the cap
+
+    def read(self, problems: Problems) -> Lines | None:
+        """The next lines; None when nothing moved (or the file is not one to read)."""
+        offset, skipping = self.ledger.cursor(str(self.path)), bool(self.ledger.cursor(self.skip_key))
+        try:
+            lines = read_jsonl(self.path, offset, self.schema, skipping=skipping)
+        except BadRecord as exc:
+            problems.append(Problem(str(self.path), str(exc)))
+            return None
+        return lines if (lines.offset, lines.skipping) != (offset, skipping) else None
+
+    def consumed(self, lines: Lines | None, exp_id: str, idx: int, task_dir: str | Path) -> None:
+        """Inside the transaction that stores the rows: the new offset, and one event for
+        the lines skipped (each is read once, so each is reported once)."""
+        if lines is None:
+            return
+        self.ledger.set_cursor(str(self.path), lines.offset)
+        self.ledger.set_cursor(self.skip_key, int(lines.skipping))
+        if lines.first_bad is not None:
+            at, why = lines.first_bad
+            where = badrecords.relative(str(self.path), task_dir)
+            self.ledger.event(exp_id, badrecords.SKIPPED, f"{where}: skipped {lines.bad} bad line(s); the first, at byte {at}: {why}", idx=idx)
+
+
+def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path, problems: Problems | None = None) -> None:
     """Heartbeats, metrics and trainer events of one task into the ledger, and its
-    progress columns, in one transaction with the read offsets."""
+    progress columns, in one transaction with the read offsets per batch of lines.
+    Whole files that cannot be read are added to ``problems`` (reported by the caller)."""
+    problems = [] if problems is None else problems
     key = {"experiment_id": exp_id, "idx": idx}
-    beats = [{**key, **r} for r in read_heartbeats(task_dir)]
-    mpath, epath = contract.metrics_path(task_dir), contract.events_path(task_dir)
-    metrics, m_offset = contract.read_jsonl_from(mpath, ledger.cursor(str(mpath)))
-    metrics = [{**key, "step": m["step"], **{k: m.get(k) for k in _METRIC_FIELDS}} for m in metrics if "step" in m]
-    events, e_offset = contract.read_jsonl_from(epath, ledger.cursor(str(epath)))
-    if not beats and not metrics and not events:
-        return
-    with ledger.tx():
-        for e in events:
-            ledger.event(exp_id, e.get("event", "trainer"), e.get("cause", ""), idx=idx)
-            if e.get("event") == "checkpoint.committed" and e.get("folder"):
-                ledger.record_checkpoint(exp_id, idx, int(e["step"]), e["folder"], e.get("time"))
-        ledger.set_cursor(str(epath), e_offset)
-        ledger.upsert_heartbeats(beats)
-        ledger.add_metrics(metrics)
-        ledger.set_cursor(str(mpath), m_offset)
-        ledger.update_task(exp_id, idx, **_progress_columns(ledger, exp_id, idx, beats, metrics))
+    beats = [{**key, **r} for r in read_heartbeats(task_dir, problems)]
+    mtail = _Tail(ledger, contract.metrics_path(task_dir), records.METRIC)
+    etail = _Tail(ledger, contract.events_path(task_dir), records.TRAINER_EVENT)
+    for _ in range(BATCHES_PER_REFRESH):
+        mlines, elines = mtail.read(problems), etail.read(problems)
+        if not beats and mlines is None and elines is None:
+            return
+        metrics = [{**key, "step": m["step"], **{k: m.get(k) for k in _METRIC_FIELDS}} for m in (mlines.rows if mlines else ())]
+        with ledger.tx():
+            for e in elines.rows if elines else ():
+                ledger.event(exp_id, e["event"], e["cause"], idx=idx)
+                if e["event"] == "checkpoint.committed" and e.get("folder") and "step" in e:
+                    ledger.record_checkpoint(exp_id, idx, e["step"], e["folder"], e.get("time"))
+            etail.consumed(elines, exp_id, idx, task_dir)
+            ledger.upsert_heartbeats(beats)
+            ledger.add_metrics(metrics)
+            mtail.consumed(mlines, exp_id, idx, task_dir)
+            ledger.update_task(exp_id, idx, **_progress_columns(ledger, exp_id, idx, beats, metrics))
+        beats = []
+        if not any(lines is not None and lines.more for lines in (mlines, elines)):
+            return
 
 
 def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: int, launch: LaunchRecord, task_dir: str) -> None:

@@ -1,5 +1,7 @@
 """The launch records compute nodes leave in a task's run folder, read back as one
-``LaunchRecord`` per launch (a job id plus SLURM's restart count)."""
+``LaunchRecord`` per launch (a job id plus SLURM's restart count). Each record is read
+through ``contract.safe_read`` against its schema (``contract.records``); a bad one is
+skipped and added to the caller's ``problems``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import contract
+from orchestrator.contract import records
+from orchestrator.contract.safe_read import Schema
+from orchestrator.supervise import badrecords
+from orchestrator.supervise.badrecords import Problem, Problems
 
 _ROOT_CAUSE_RANK = {
     contract.ExitCode.USER_ERROR: 0,
@@ -57,35 +63,55 @@ class LaunchRecord:
         return max(r.get("ended", 0) for r in self.node_records) if self.ended else None
 
 
-def read_launches(task_dir: str | Path) -> list[LaunchRecord]:
-    """Every launch of a task that has a start record, oldest first."""
-    out = []
-    base = contract.launches_dir(task_dir)
-    if not base.is_dir():
-        return out
-    for d in base.iterdir():
-        start = contract.read_json(contract.start_path(d))
-        if not start:
-            continue
-        rec = LaunchRecord(
-            key=start["launch"],
-            job_id=str(start["job_id"]),
-            restart_count=int(start.get("restart_count", 0)),
-            nodes=list(start.get("nodes", [])),
-            world_size=int(start.get("world_size", 0)),
-            started=float(start["time"]),
-        )
-        for f in sorted(d.glob(contract.NODE_RECORD_GLOB)):
-            if (r := contract.read_json(f)) is not None:
-                rec.node_records.append(r)
-        rec.generations = contract.generation_ends(d)
-        final = max((r.get("generation", 0) for r in rec.node_records), default=len(rec.generations))
-        for f in sorted(d.glob(contract.ERROR_GLOB)):  # the ranks', and a job step's (the consolidation)
-            # an error of a generation that was restarted is history, not this launch's end
-            if (e := contract.read_json(f)) is not None and e.get("generation", 0) == final:
-                rec.errors.append(e)
-        rec.requeue = contract.read_json(contract.requeue_path(d))
-        for f in d.glob(contract.UNRESPONSIVE_GLOB):
-            rec.unresponsive += (contract.read_json(f) or {}).get("nodes", [])
+def read_generation_ends(ldir: Path, problems: Problems | None = None) -> list[dict]:
+    """End records of a launch's generations, in order (stops at the first gap or bad one)."""
+    problems = [] if problems is None else problems
+    out: list[dict] = []
+    while len(out) < badrecords.FILES_MAX and (
+        rec := badrecords.read(contract.generation_end_path(ldir, len(out)), records.GENERATION_END, problems)
+    ) is not None:
         out.append(rec)
+    return out
+
+
+def _records(d: Path, pattern: str, schema: Schema, problems: Problems) -> list[dict]:
+    return [r for f in badrecords.entries(d, pattern, problems) if (r := badrecords.read(f, schema, problems)) is not None]
+
+
+def read_launch(d: Path, problems: Problems) -> LaunchRecord | None:
+    """The launch whose folder is ``d``; None before its start record (or with a bad one)."""
+    start = badrecords.read(contract.start_path(d), records.START, problems)
+    if start is None:
+        return None
+    if start["launch"] != d.name:  # the key names folders the watcher writes to: never another one
+        problems.append(Problem(str(contract.start_path(d)), "field 'launch': is not the name of its folder"))
+        return None
+    rec = LaunchRecord(
+        key=start["launch"],
+        job_id=start["job_id"],
+        restart_count=start["restart_count"],
+        nodes=start["nodes"],
+        world_size=start["world_size"],
+        started=start["time"],
+    )
+    rec.node_records = _records(d, contract.NODE_RECORD_GLOB, records.NODE_END, problems)
+    rec.generations = read_generation_ends(d, problems)
+    final = max((r.get("generation", 0) for r in rec.node_records), default=len(rec.generations))
+    # the ranks', and a job step's (the consolidation); an error of a generation that was
+    # restarted is history, not this launch's end
+    rec.errors = [e for e in _records(d, contract.ERROR_GLOB, records.ERROR, problems) if e.get("generation", 0) == final]
+    rec.requeue = badrecords.read(contract.requeue_path(d), records.REQUEUE, problems)
+    for r in _records(d, contract.UNRESPONSIVE_GLOB, records.UNRESPONSIVE, problems):
+        rec.unresponsive += r["nodes"]
+    return rec
+
+
+def read_launches(task_dir: str | Path, problems: Problems | None = None) -> list[LaunchRecord]:
+    """Every launch of a task that has a start record, oldest first; the records skipped
+    as bad are added to ``problems``."""
+    problems = [] if problems is None else problems
+    out = []
+    for d in badrecords.entries(contract.launches_dir(task_dir), "*", problems):
+        if badrecords.real_dir(d, problems) and (rec := read_launch(d, problems)) is not None:
+            out.append(rec)
     return sorted(out, key=lambda r: (r.started, r.restart_count))

@@ -6,6 +6,7 @@ and the watcher carries the decision out. Every case is unit-tested.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tenacity
@@ -48,13 +49,17 @@ def train_timeout(hb: Heartbeat, step_time_max: float | None) -> float:
     return max(LEARNED_TIMEOUT_MIN_S, LEARNED_TIMEOUT_FACTOR * (step_time_max or 0.0))
 
 
+def _finite(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
 def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max: float | None, now: float) -> Hang | None:
     """The rank of the launch's newest generation that has been silent longest past its
     timeout. Silence is allowed to last longer before the first step and while a
     checkpoint is written; ranks that finished, failed or are leaving are not hung."""
-    rows = [h for h in heartbeats if h.get("launch") == launch and h.get("time")]
+    rows = [h for h in heartbeats if h.get("launch") == launch and h.get("time") and _finite(h["time"]) and _finite(h.get("generation") or 0)]
     if not rows:
-        return None
+        return None  # (a row of a damaged type, written by an older version, is not a heartbeat)
     generation = max(h.get("generation") or 0 for h in rows)
     limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: train_timeout(hb, step_time_max), Phase.SAVING: hb.save_timeout_s}
     worst: Hang | None = None

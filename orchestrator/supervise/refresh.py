@@ -2,6 +2,10 @@
 about every live job, and apply what ``reconcile.plan_refresh`` decides. Every read
 command runs it first, so the ledger is current without a daemon; the watcher runs it
 every cycle. All decisions are in ``reconcile`` (pure); this module only reads and writes.
+
+One task's files never stop another's refresh: a bad record is skipped and reported
+once (``badrecords``), and anything else one task raises becomes an event of that task
+(in strict mode, the tests', it raises: a bug must fail them).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import JobRef, Observation, Scheduler, get_scheduler
-from orchestrator.supervise import ingest, reconcile
+from orchestrator.contract.safe_read import cut
+from orchestrator.supervise import badrecords, ingest, reconcile
 from orchestrator.supervise.launches import read_launches
 from orchestrator.states import TaskState
 
@@ -42,7 +47,9 @@ def live_attempts(ledger: Ledger, experiments: list[dict]) -> list[LiveTask]:
     return out
 
 
-def poll(live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[str] | None) -> tuple[dict[str, Observation], bool]:
+def poll(
+    live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[str] | None, strict: bool = False
+) -> tuple[dict[str, Observation], bool]:
     """One batched poll per executor: what the schedulers said, and whether every one
     answered (when one did not, nothing may be inferred from its jobs' absence)."""
     by_executor: dict[str, list[LiveTask]] = {}
@@ -61,7 +68,11 @@ def poll(live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[st
         ]
         try:
             observations.update(sched.poll(refs))
-        except SchedulerError as exc:  # the files still tell progress; the next refresh asks again
+        except Exception as exc:  # the files still tell progress; the next refresh asks again
+            if not isinstance(exc, SchedulerError):  # a damaged record of the scheduler's, say
+                if strict:
+                    raise
+                exc = SchedulerError(f"{type(exc).__name__}: {cut(str(exc), 200)}")
             log.warning("could not ask the %s scheduler about %d job(s): %s", executor, len(refs), exc)
             answered = False
             if errors is not None:
@@ -93,19 +104,41 @@ def refresh(
     observations (None when a scheduler could not be asked)."""
     live = live_attempts(ledger, experiments)
     schedulers = {} if schedulers is None else schedulers
-    observations, answered = poll(live, schedulers, errors)
+    observations, answered = poll(live, schedulers, errors, ledger.strict)
     now = time.time()
     for item in live:
-        exp_id, idx, tdir = item.exp["id"], item.task["idx"], item.task["task_dir"]
-        ingest.ingest_progress(ledger, exp_id, idx, tdir)
-        launches = read_launches(tdir)
-        caps = schedulers[item.exp["executor"]].capabilities
-        # planned and applied on the rows as they are now, under the write lock: a watcher
-        # and a `status` refreshing at once never act on each other's stale rows
-        with ledger.tx():
-            if TaskState(ledger.task(exp_id, idx)["state"]).terminal:
-                continue
-            attempt = ledger.attempts(exp_id, idx)[-1]
-            changes = reconcile.plan_refresh(attempt, launches, observations.get(attempt["job_id"]), caps, now)
-            apply_changes(ledger, exp_id, idx, tdir, changes)
+        try:
+            refresh_task(ledger, item, observations, schedulers[item.exp["executor"]].capabilities, now)
+        except Exception as exc:
+            task_failed(ledger, item, exc)
     return observations if answered else None
+
+
+def refresh_task(ledger: Ledger, item: LiveTask, observations: dict[str, Observation], caps, now: float) -> None:
+    """Ingest one task's files and apply what they and the scheduler say."""
+    exp_id, idx, tdir = item.exp["id"], item.task["idx"], item.task["task_dir"]
+    problems: badrecords.Problems = []
+    ingest.ingest_progress(ledger, exp_id, idx, tdir, problems)
+    launches = read_launches(tdir, problems)
+    badrecords.report(ledger, exp_id, idx, tdir, problems)
+    # planned and applied on the rows as they are now, under the write lock: a watcher
+    # and a `status` refreshing at once never act on each other's stale rows
+    with ledger.tx():
+        if TaskState(ledger.task(exp_id, idx)["state"]).terminal:
+            return
+        attempt = ledger.attempts(exp_id, idx)[-1]
+        changes = reconcile.plan_refresh(attempt, launches, observations.get(attempt["job_id"]), caps, now)
+        apply_changes(ledger, exp_id, idx, tdir, changes)
+
+
+def task_failed(ledger: Ledger, item: LiveTask, exc: Exception) -> None:
+    """What one task's refresh raised: the other tasks go on; the task's history says
+    what (once per distinct error), so a bug is never silent. Strict mode raises it."""
+    if ledger.strict:
+        raise exc
+    exp_id, idx = item.exp["id"], item.task["idx"]
+    cause = f"refresh failed: {type(exc).__name__}: {cut(str(exc), 200)}; the other tasks go on"
+    log.warning("%s task %s: %s", exp_id, idx, cause)
+    log.debug("%s task %s: refresh failed", exp_id, idx, exc_info=exc)
+    if not ledger.has_event(exp_id, "refresh.failed", cause, idx=idx):
+        ledger.event(exp_id, "refresh.failed", cause, idx=idx)

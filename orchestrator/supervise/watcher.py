@@ -24,11 +24,12 @@ from typing import Callable
 
 from orchestrator import contract
 from orchestrator.contract import FailureKind, GenerationAction, TaskConfig, TaskConfigError, envvars
+from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import get_scheduler
 from orchestrator.supervise import recovery, refresh
-from orchestrator.supervise.launches import read_launches
+from orchestrator.supervise.launches import read_generation_ends, read_launches
 from orchestrator.supervise.recovery import RecoveryKind
 from orchestrator.states import ActionState, AttemptState, TaskState
 
@@ -99,6 +100,17 @@ class Watcher:
                         self._recover(exp, task, attempts, cfg, observations, node_states)
                 except SchedulerError as exc:  # transient: never a reason to act; the next cycle tries again
                     log.warning("%s task %s: the scheduler did not answer (%s); will retry", exp["id"], task["idx"], exc)
+                except Exception as exc:  # one task's trouble never stops the others' recovery
+                    self._task_failed(exp, task, exc)
+
+    def _task_failed(self, exp: dict, task: dict, exc: Exception) -> None:
+        """An event of the task, once per distinct error (strict mode, the tests': raise)."""
+        if self.ledger.strict:
+            raise exc
+        cause = f"watcher failed on this task: {type(exc).__name__}: {cut(str(exc), 200)}; the other tasks go on"
+        log.warning("%s task %s: %s", exp["id"], task["idx"], cause)
+        if not self.ledger.has_event(exp["id"], "watcher.failed", cause, idx=task["idx"]):
+            self.ledger.event(exp["id"], "watcher.failed", cause, idx=task["idx"])
 
     def _lease(self, exp: dict) -> bool:
         name = lease_name(exp["id"])
@@ -126,8 +138,8 @@ class Watcher:
         """The task's own settings; the spec's defaults when task.json cannot be read."""
         try:
             return TaskConfig.load(task["task_dir"])
-        except TaskConfigError as exc:
-            log.warning("%s task %s: %s; using the default retry and heartbeat settings", exp["id"], task["idx"], exc)
+        except (TaskConfigError, TypeError, ValueError, AttributeError) as exc:  # a damaged task.json too
+            log.warning("%s task %s: %s; using the default retry and heartbeat settings", exp["id"], task["idx"], cut(str(exc), 200))
             return TaskConfig(experiment_id=exp["id"], index=task["idx"], task_dir=task["task_dir"], steps=0)
 
     # ------------------------------------------------------------ hangs
@@ -142,7 +154,7 @@ class Watcher:
         ldir = contract.launch_dir(task["task_dir"], attempt["launch"])
         if contract.generation_end_path(ldir, hang.generation).exists():
             return  # already being restarted (or stopped) by the agents
-        history = contract.generation_ends(ldir)[: hang.generation]
+        history = read_generation_ends(ldir)[: hang.generation]
         record = contract.generation_end(
             FailureKind.HANG,
             hang.cause,

@@ -1,4 +1,5 @@
-# Always included; orchestrate fills in the double-braced names.
+# Always included; orchestrate fills in the double-braced names, each as one quoted shell word.
 export PYTHONUNBUFFERED=1
 export ORCHESTRATE_RUN_DIR={{run_dir}}
-echo "orchestrate: {{name}} ({{experiment_id}}) job ${SLURM_JOB_ID} array task ${SLURM_ARRAY_TASK_ID:-none} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST} at $(date -Is)"
+printf 'orchestrate: %s (%s) job %s array task %s restart %s on %s at %s\n' {{name}} {{experiment_id}} \
+  "${SLURM_JOB_ID}" "${SLURM_ARRAY_TASK_ID:-none}" "${SLURM_RESTART_COUNT:-0}" "${SLURM_JOB_NODELIST}" "$(date -Is)"

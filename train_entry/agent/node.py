@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from orchestrator import contract
-from orchestrator.contract import ExitCode
+from orchestrator.contract import ExitCode, perms
 
 from train_entry.agent.generation import Flags, Generation, Result
 from train_entry.agent.requeue import requeue
@@ -26,6 +26,7 @@ def node_main(task_dir: str) -> int:
     except contract.TaskConfigError as exc:
         print(f"orchestrate agent: {exc}", file=sys.stderr)
         return ExitCode.INFRA_ERROR
+    perms.apply(cfg.resources.share_with_group)  # before any file of the launch; the ranks inherit it
     ctx = node_context(os.environ)
     launch = contract.launch_key(ctx.job_id, ctx.restart_count)
     ldir = contract.launch_dir(tdir, launch)

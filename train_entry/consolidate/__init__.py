@@ -52,13 +52,21 @@ READ_BATCH_BYTES = 128 * 1024**2  # read (and keep mapped) at most this much at 
 def open_reader(folder: Path, manifest: dict):
     fmt = manifest.get("state_format")
     if fmt == "dcp":
-        return DcpReader(folder / "dcp")
+        return DcpReader(_inside(folder, folder / "dcp"))
     if fmt == "deepspeed":
-        tags = [d for d in (folder / "deepspeed").iterdir() if d.is_dir()] if (folder / "deepspeed").is_dir() else []
+        src = _inside(folder, folder / "deepspeed")
+        tags = [d for d in src.iterdir() if d.is_dir() and not d.is_symlink()] if src.is_dir() else []
         if len(tags) != 1:
             raise ConsolidateError(f"{folder / 'deepspeed'}: expected one tag folder, found {len(tags)}")
         return ZeroReader(tags[0])
     raise ConsolidateError(f"{folder}: consolidating {fmt!r} checkpoints is not supported (DCP and DeepSpeed are)")
+
+
+def _inside(folder: Path, sub: Path) -> Path:
+    """``sub``, a folder the reader reads, if it is one of the checkpoint's own, not a link out of it."""
+    if sub.is_symlink() or not os.path.realpath(sub).startswith(os.path.realpath(folder) + os.sep):
+        raise ConsolidateError(f"{sub} is a symbolic link or leads out of the checkpoint folder; not read")
+    return sub
 
 
 def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32", fmt: str = "safetensors",
@@ -74,12 +82,18 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         raise ConsolidateError(f"--format {fmt}: use safetensors or torch")
     if out.exists() and any(out.iterdir()):
         raise ConsolidateError(f"--out {out} exists and is not empty; give a new folder")
-    if not (folder / contract.MANIFEST).exists():
+    if not os.path.lexists(folder / contract.MANIFEST):
         raise ConsolidateError(f"{folder}: no {contract.MANIFEST}: not a committed checkpoint (see `orchestrate ckpt list`)")
-    problem = contract.verify_checkpoint(folder)
+    problem = contract.verify_checkpoint(folder)  # the manifest checked, and every file it names inside the folder
     if problem:
         raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
-    manifest = contract.read_json(folder / contract.MANIFEST)
+    manifest = contract.read_manifest(folder)
+    from train_entry import safeload  # torch
+
+    # every pickle of it within the allow-lists, the RNG states too: a checkpoint that holds code is not used
+    problem = safeload.first_problem(folder, safeload.unpickled_files(manifest))
+    if problem:
+        raise ConsolidateError(problem)
     started = time.time()
     if hf is None:
         hf = (folder / contract.HF_EXPORT).exists()

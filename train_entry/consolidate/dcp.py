@@ -1,5 +1,6 @@
 """DCP checkpoints (DDP, FSDP2): torch's own ``FileSystemReader`` and ``dcp.load`` of a
-partial state dict read just the tensors asked for, so a batch costs its own size."""
+partial state dict read just the tensors asked for, so a batch costs its own size. The
+metadata is unpickled only through ``safeload``'s allow-list (a hostile one is refused)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ DCP_MODEL_PREFIX = "model."  # trainers save {"model": ..., "optim": ...}; DCP f
 
 class DcpReader:
     def __init__(self, src: Path):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from train_entry import safeload
 
         self.src = src
         try:
-            meta = FileSystemReader(str(src)).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a damaged file
-            raise ConsolidateError(f"{src / '.metadata'}: cannot read: {exc}") from None
+            meta = safeload.read_dcp_metadata(src)
+        except safeload.CheckpointRefused as exc:
+            raise ConsolidateError(str(exc)) from None
         self.stored = {}
         for key, md in meta.state_dict_metadata.items():
             if key.startswith(DCP_MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
@@ -35,13 +37,15 @@ class DcpReader:
     def read(self, items: list[Item], what: str) -> dict:
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
+
+        from train_entry import safeload
 
         group = {it.key: torch.empty(it.shape, dtype=self.stored[it.key][1]) for it in items}
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(group, storage_reader=FileSystemReader(str(self.src)), no_dist=True)
+                dcp.load(group, storage_reader=safeload.SafeFileSystemReader(str(self.src)),
+                         planner=safeload.SafeLoadPlanner(), no_dist=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a damaged file
             raise ConsolidateError(f"{self.src}: cannot read the tensors of {what}: {exc}") from None
         return group

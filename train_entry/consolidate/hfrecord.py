@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator import contract
+from orchestrator.contract import safe_read
 from train_entry.consolidate.items import ConsolidateError
 
 RECORD_FORMAT = 1
@@ -80,12 +81,14 @@ def read(folder: Path, manifest: dict, base: str | os.PathLike | None = None) ->
 
 
 def _read_bytes(path: Path) -> bytes:
+    """A regular file only (never a link to /dev/zero or a FIFO), never past MAX_RECORD_BYTES."""
     try:
-        if path.stat().st_size > MAX_RECORD_BYTES:
-            raise ConsolidateError(f"{path}: {path.stat().st_size} bytes; not an export record")
-        return path.read_bytes()
-    except OSError as exc:
-        raise ConsolidateError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raw = safe_read.read_capped(path, MAX_RECORD_BYTES)
+    except safe_read.BadRecord as exc:
+        raise ConsolidateError(f"{path}: {exc}; not an export record") from None
+    if raw is None:
+        raise ConsolidateError(f"{path}: cannot read: no such file")
+    return raw
 
 
 def _parse(path: Path, doc) -> Record:

@@ -1,6 +1,8 @@
 """DeepSpeed ZeRO-0/1/2/3 checkpoints, read without DeepSpeed's engine and without ever
 holding the model: the per-rank files are opened with ``torch.load(mmap=True)``, so
-nothing is read until touched; each parameter is copied out of the ranks' flat fp32
+nothing is read until touched, and ``weights_only=True`` with ``safeload``'s allow-list
+(DeepSpeed's few classes built as stand-ins: DeepSpeed is never imported, and a file
+that holds code is refused); each parameter is copied out of the ranks' flat fp32
 master partitions (the layout DeepSpeed's zero_to_fp32 documents), and the files are
 unmapped after every batch so mapped pages never add up to the model.
 Stage 0 has no partitions: its module weights are written as saved."""
@@ -37,7 +39,6 @@ class ZeroReader:
     a rank's pieces follow each other through its flat groups."""
 
     def __init__(self, src: Path):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # unpickling imports deepspeed; it maps to the CPU here
         self.src = src
         self._open: dict[Path, object] = {}
         ranks = {}
@@ -86,14 +87,14 @@ class ZeroReader:
         return osd.get("param_alignment_paddings")
 
     def _load(self, path: Path):
-        import torch
+        from train_entry import safeload
 
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ConsolidateError(f"{path} is missing")
-        try:  # weights_only=False: DeepSpeed pickles its own classes (loss scaler, stage enum) with the tensors
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - a damaged zip or pickle raises many kinds
-            raise ConsolidateError(f"{path}: cannot read: {exc}") from None
+        try:
+            return safeload.torch_load(path)
+        except safeload.CheckpointRefused as exc:
+            raise ConsolidateError(str(exc)) from None
 
     def _index_zero12(self, param_shapes, paddings) -> None:
         align = 2 * self.world  # DeepSpeed pads each group's flat vector to this

@@ -88,8 +88,13 @@ class DCPState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        from train_entry import safeload
+
+        src = folder / "dcp"
+        safeload.check_dcp(src)  # refused here, by name, before DCP reads a thing
         state = self._state()
-        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        # readers that never unpickle beyond the allow-lists, whatever changed since the check
+        dcp.load(state, storage_reader=safeload.SafeFileSystemReader(str(src)), planner=safeload.SafeLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=not self.trainable_only))
 

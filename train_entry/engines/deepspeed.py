@@ -106,9 +106,15 @@ class DeepSpeedEngine(Engine):
         return None
 
     def load_state(self, folder, same_world: bool) -> None:
+        from train_entry import safeload
+
+        # DeepSpeed (and its universal conversion) unpickles with weights_only=False: every file it
+        # may read passes the weights-only loader first, on every rank, or nothing is loaded
         src = Path(folder) / "deepspeed"
+        safeload.check_everywhere(src, safeload.torch_files(src))
         if self.universal:
             src = self._universal(Path(folder))
+            safeload.check_everywhere(src, safeload.torch_files(src))
             self.model.load_checkpoint(str(src), tag=TAG, load_lr_scheduler_states=False, load_module_strict=not self.trainable_only)
             return
         self.model.load_checkpoint(str(src), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
@@ -122,7 +128,7 @@ class DeepSpeedEngine(Engine):
         out = contract.checkpoints_dir(self.task_dir) / f".universal-{folder.name}-{hashlib.sha1(str(folder).encode()).hexdigest()[:8]}"
         if dist.get_rank() == 0 and not (out / TAG).is_dir():
             tmp = out.with_name(out.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
             argv = [
                 sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                 "--input_folder", str(folder / "deepspeed" / TAG), "--output_folder", str(tmp / TAG),
@@ -130,7 +136,15 @@ class DeepSpeedEngine(Engine):
             if self.stage < 3:
                 argv.append("--inject_missing_state")
             subprocess.run(argv, check=True, timeout=UNIVERSAL_TIMEOUT_S, stdout=sys.stdout, stderr=sys.stderr)
-            shutil.rmtree(out, ignore_errors=True)
+            _remove(out)
             os.replace(tmp, out)
         dist.barrier()
         return out
+
+
+def _remove(path: Path) -> None:
+    """A conversion folder of our checkpoints folder, never through a symbolic link (contract.deletion_problem)."""
+    if path.is_symlink():
+        path.unlink()  # the link, not what it points to
+    elif contract.deletion_problem(path) is None:
+        shutil.rmtree(path, ignore_errors=True)
