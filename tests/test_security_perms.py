@@ -77,3 +77,31 @@ def test_an_old_readable_ledger_is_made_private(tmp_path):
     fresh = tmp_path / "new" / "home"
     Ledger.open(fresh / "ledger.db")
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+
+def test_opening_the_ledger_again_keeps_the_locks_of_a_connection_of_the_same_process(tmp_path):
+    """Closing any descriptor of a database drops every POSIX lock its process holds on it,
+    its other SQLite connections' too. In WAL mode each connection holds a shared lock on
+    the database file; without it, another process closing its connection believes it is
+    the last one and checkpoints and deletes the WAL under the first: the file is corrupted
+    ("database disk image is malformed"). Opening the ledger again must keep that lock."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    path = tmp_path / "ledger.db"
+    Ledger.open(path)
+    reader = sqlite3.connect(path)
+    reader.execute("select count(*) from events").fetchone()  # the WAL is open: a shared lock held
+    # SQLite's shared-lock bytes: PENDING_BYTE (1 GiB) + 2, 510 bytes
+    probe = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 510, 0x40000002); print('no lock held')\n"
+             "except OSError:\n    print('locked by the reader')")
+    try:
+        before = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60)
+        assert "locked by the reader" in before.stdout, before.stdout + before.stderr
+        Ledger.open(path)  # the same process opens it again (the watcher and the CLI do)
+        after = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60)
+        assert "locked by the reader" in after.stdout, after.stdout + after.stderr
+    finally:
+        reader.close()

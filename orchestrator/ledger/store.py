@@ -52,8 +52,15 @@ def filesystem_type(path: str | os.PathLike) -> str | None:
 def _private(path: Path) -> None:
     """The ledger holds whole specs, ``env`` values (tokens) included: 0600 whatever the
     umask, and tightened if an older version left it readable (SQLite gives its -wal and
-    -shm files the database's mode)."""
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    -shm files the database's mode).
+
+    Never opens a database that exists: closing any descriptor of it drops every POSIX lock
+    this process holds on it, those of its other SQLite connections too, and two writers
+    then corrupt the file. Only a new file is created here (O_EXCL: nobody has it open)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
     for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         try:
             if os.stat(p).st_mode & 0o077:
