@@ -39,6 +39,7 @@ step = 0
 if (found := run.resume()) is not None:
     engine.load_checkpoint(str(found.folder / "deepspeed"), tag="state")
     step = found.step
+    run.check_resume(engine)  # the loaded weights are the ones committed, or the run stops here
 while step < cfg.steps:
     for micro in range(engine.gradient_accumulation_steps()):
         x, y = batch(step, micro)
@@ -53,7 +54,7 @@ while step < cfg.steps:
     if stop or step % cfg.checkpoint.every_steps == 0:
         folder = run.begin_checkpoint(step)
         engine.save_checkpoint(str(folder / "deepspeed"), tag="state", save_latest=False)
-        run.commit_checkpoint(step)
+        run.commit_checkpoint(step, model=engine, loss=mean.item())  # + the weights' fingerprint
     if stop and step < cfg.steps:
         run.exit_for_requeue(step)
 run.finish(step)

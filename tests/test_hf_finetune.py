@@ -151,6 +151,8 @@ def test_lora_interrupted_and_resumed_matches_the_uninterrupted_run_bitwise(home
     assert [s for s, (_, e) in plain.items() if e is not None] == [4, 8, 12]
     assert plain[12][0] < plain[1][0] and plain[12][1] < plain[4][1]  # the loss and the eval loss fall
     assert [a["state"] for a in ledger.attempts(exp["id"], 1)] == ["REQUEUED", "COMPLETED"]
+    verified = [e["cause"] for e in ledger.events(exp["id"]) if e["idx"] == 1 and e["kind"] == "checkpoint.verified"]
+    assert len(verified) == 1 and "bitwise, same world size" in verified[0], verified  # adapters' fingerprint, and the loss
     # LoRA checkpoints hold the adapters only: the frozen base comes from the model folder
     _, ckpt = contract.committed_checkpoints(contract.task_dir(exp["run_dir"], 1))[0]
     assert json.loads((ckpt / "hf.json").read_text())["adapter"]["r"] == 4

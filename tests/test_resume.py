@@ -80,6 +80,9 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(home,
     assert "saved on the checkpoint signal" in attempts[0]["reason"]
     events = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 1]
     assert "checkpoint.resumed" in events and "checkpoint.committed" in events
+    # the resume proved itself before its first step: fingerprint, and that step's loss bitwise
+    verified = [e["cause"] for e in ledger.events(exp["id"]) if e["idx"] == 1 and e["kind"] == "checkpoint.verified"]
+    assert len(verified) == 1 and "bitwise, same world size; largest relative difference 0.0e+00" in verified[0], verified
     # retention: the newest two committed checkpoints remain, nothing half-made
     folders = sorted(p.name for p in (contract.checkpoints_dir(contract.task_dir(exp["run_dir"], 1))).iterdir())
     assert folders == ["step-000000015", "step-000000020"] or len([f for f in folders if f.startswith("step-")]) == 2, folders
@@ -97,4 +100,4 @@ def test_your_own_training_script_resumes_bitwise_through_the_client_api(home):
     assert plain[60] < plain[1] - 1.0  # it learned
     assert [a["state"] for a in ledger.attempts(exp["id"], 1)] == ["REQUEUED", "COMPLETED"]
     kinds = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 1]
-    assert "checkpoint.resumed" in kinds and "checkpoint.committed" in kinds
+    assert "checkpoint.resumed" in kinds and "checkpoint.committed" in kinds and "checkpoint.verified" in kinds

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import distributed as dist
@@ -150,6 +151,8 @@ class Checkpointer:
         ``final``: the process exits next, so the save is synchronous whatever the policy."""
         self.finish_pending()
         t0 = time.perf_counter()
+        # of the weights being saved: an asynchronous write lets training change them before the commit
+        meta = {**meta, **self.fingerprint_of(self.engine.model)}
         tmp = self.begin(step)
         future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
         time.sleep(float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0))  # benchmarks: a slow filesystem
@@ -159,6 +162,15 @@ class Checkpointer:
             self.pending = (step, tmp, future, blocked, t0, meta)
             return {"step": step, "blocked_s": blocked, "async": True}
         return self._commit(step, tmp, blocked, t0, meta)
+
+    @staticmethod
+    def fingerprint_of(model) -> dict:
+        """Collective: the manifest's ``fingerprint`` of ``model`` and the seconds it took."""
+        from train_entry import fingerprint
+
+        t0 = time.perf_counter()
+        fp = fingerprint.compute(model)
+        return {"fingerprint": fp, "fingerprint_s": time.perf_counter() - t0}
 
     def poll_pending(self) -> dict | None:
         """At a step boundary: commit an async save once every rank's write is done."""
@@ -184,6 +196,8 @@ class Checkpointer:
         return self._commit(step, contract.checkpoint_tmp(self.task_dir, step), 0.0, t0, meta or {})
 
     def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict) -> dict:
+        meta = dict(meta)
+        timing = {"fingerprint_s": meta.pop("fingerprint_s")} if "fingerprint_s" in meta else {}  # the event's, not the manifest's
         dist.barrier()  # every rank's shards are written
         names = _files(tmp) if self.rank == 0 else None
         box = [names]
@@ -205,7 +219,8 @@ class Checkpointer:
             self._retain()
         dist.barrier()  # nobody moves on (or exits) before the commit
         self.committed_step = step
-        return {"step": step, "blocked_s": blocked, "total_s": time.perf_counter() - t0, "folder": str(final or "")}
+        return {"step": step, "blocked_s": blocked, "total_s": time.perf_counter() - t0, "folder": str(final or ""),
+                **timing}
 
     def _retain(self) -> None:
         keep = self.cfg.keep_last
@@ -217,9 +232,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------ resume
 
-    def find_resume(self) -> Resume:
+    def find_resume(self, extra_check: Callable[[Path], str | None] | None = None) -> Resume:
         """The newest committed checkpoint that verifies (collective: the ranks share the hashing).
-        Leftovers of saves that never committed are removed first (nothing writes at this point)."""
+        Leftovers of saves that never committed are removed first (nothing writes at this point).
+        ``extra_check`` (collective too): a further problem of a folder, for the integrations
+        whose libraries unpickle files our loaders never open."""
         cleaned = contract.remove_leftovers(self.task_dir) if self.rank == 0 else []
         dist.barrier()
         candidates = [folder for _, folder in contract.committed_checkpoints(self.task_dir)]
@@ -232,7 +249,7 @@ class Checkpointer:
                 candidates = [folder for _, folder in contract.committed_checkpoints(base)] or [start]
         skipped = []
         for folder in candidates:
-            problem = self._verify(folder)
+            problem = self._verify(folder) or (extra_check(folder) if extra_check else None)
             if problem is None:
                 m = contract.read_manifest(folder)
                 return Resume(folder, m["step"], m["world_size"], skipped, cleaned)

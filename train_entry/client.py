@@ -9,7 +9,8 @@ MASTER_PORT). Inside it::
     run = client.init()                 # after torch.distributed.init_process_group
     resume = run.resume()               # the newest committed checkpoint that verifies, or None
     if resume:
-        step = resume.step              # and load your state from resume.folder
+        step = resume.step              # and load your state from resume.folder, then
+        run.check_resume(model)         # prove it is the state committed (stops the run if not)
     while step < run.config.steps:      # run.config: the task's TaskConfig
         ...                             # one optimizer step
         step += 1
@@ -18,7 +19,8 @@ MASTER_PORT). Inside it::
         if stop or step % 100 == 0:
             folder = run.begin_checkpoint(step)   # save your shards into it (DCP, DeepSpeed, ...)
             ...
-            run.commit_checkpoint(step)  # counts only now: manifest written last
+            run.commit_checkpoint(step, model)    # counts only now: manifest written last, with
+                                                  # the fingerprint of model's trainable parameters
         if stop:
             run.exit_for_requeue()      # exits with the requeue code; the run resumes later
 
@@ -53,6 +55,7 @@ class Run:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._hb = self._session.hb
         self._ckpt = Checkpointer(self.config, self.rank, self.world_size)
+        self._resumed: Resume | None = None  # what resume() found: check_resume checks against it
 
     @property
     def deepspeed_config(self) -> dict[str, Any] | None:
@@ -83,18 +86,40 @@ class Run:
         and recorded), or None. Load your state from ``.folder``; ``.step`` is its step."""
         found = self._ckpt.find_resume()
         found.report(self._hb)
-        return found if found.folder is not None else None
+        self._resumed = found if found.folder is not None else None
+        return self._resumed
 
     def begin_checkpoint(self, step: int) -> Path:
         """Collective: an empty folder to save step ``step`` into; not a checkpoint until committed."""
         self._hb.beat(step, contract.Phase.SAVING, force=True)
         return self._ckpt.begin(step)
 
-    def commit_checkpoint(self, step: int) -> Path:
-        """Collective: hash the files, write the manifest last, rename into place, prune."""
-        info = self._ckpt.commit(step, {"launch": self.ctx.launch})
+    def commit_checkpoint(self, step: int, model=None, loss: float | None = None) -> Path:
+        """Collective: hash the files, write the manifest last, rename into place, prune.
+        With ``model`` (the module you train, wrapped or not: DDP, FSDP2, a DeepSpeed engine),
+        the manifest also records the fingerprint of its trainable parameters, for
+        ``check_resume``; pass the state you saved (commit before the next optimizer step).
+        With ``loss``, it records the step's loss."""
+        meta: dict = {"launch": self.ctx.launch}
+        if model is not None:
+            meta.update(self._ckpt.fingerprint_of(model))
+        if loss is not None:
+            meta["loss"] = float(loss)
+        info = self._ckpt.commit(step, meta)
         self._hb.event("checkpoint.committed", f"step {step} saved by the script in {info['total_s']:.2f} s", **info)
         return Path(info["folder"]) if info["folder"] else contract.checkpoints_dir(self.task_dir) / contract.checkpoint_name(step)
+
+    def check_resume(self, model) -> None:
+        """Collective, after you loaded the state of ``resume().folder`` and before the first step:
+        the trainable parameters of ``model`` against the fingerprint its commit recorded. A
+        match is a ``checkpoint.verified`` event; a mismatch (weights altered after the commit, a
+        layer your loading code re-created) a ``checkpoint.mismatch`` event and ResumeMismatch,
+        which ends the run as a user error rather than training on from the wrong state."""
+        if self._resumed is None:
+            return
+        from train_entry.resume_check import verify_fingerprint
+
+        verify_fingerprint(self._resumed.folder, model, self._hb)
 
     def finish(self, step: int) -> None:
         """The run is complete: a late checkpoint signal is ignored from now on."""

@@ -8,6 +8,7 @@ whose fault it was (``errors``) where the login side finds them.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 import traceback
@@ -98,8 +99,12 @@ def build(session: RankSession, device):
         ckpt.load(resume)
         resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0
         step = ckpt.committed_step = resume.step
+        if reinit := os.environ.get(contract.envvars.FAULT_REINIT):  # tests: a loader that re-creates a layer
+            from train_entry.resume_check import inject_reinit
+
+            inject_reinit(engine.model, reinit)
     resume.report(session.hb)
-    return ckpt, workload, engine, step
+    return ckpt, workload, engine, step, resume
 
 
 class Loop:
@@ -113,13 +118,18 @@ class Loop:
         from train_entry.data import Sampler
 
         self.session, self.hb, self.cfg, self.device = session, session.hb, session.cfg, device
-        self.ckpt, self.workload, self.engine, self.step = build(session, device)
+        self.ckpt, self.workload, self.engine, self.step, resume = build(session, device)
         ctx, batch = session.ctx, self.cfg.batch
         self.accum = batch.grad_accum
         self.sampler = Sampler(len(self.workload.dataset), self.cfg.seed, batch.micro_batch_size, self.accum, ctx.world_size, ctx.rank)
         self.items_per_step = batch.micro_batch_size * self.accum * ctx.world_size * self.workload.tokens_per_sample
         self.agree = Agreement(dist, torch)
         self.last_loss: float | None = None
+        self.step_losses: list = []  # the micro-batch losses of the last step (a save records their mean)
+        if resume.folder is not None:  # before the first step: the loaded state is the one committed
+            from train_entry.resume_check import verify
+
+            verify(resume.folder, self.engine, self.workload.dataset, self.workload.loss, self.hb, self.cfg)
         self.window_t0, self.window_steps = time.perf_counter(), 0
 
     def run(self) -> float | None:
@@ -158,6 +168,7 @@ class Loop:
             inputs, targets = self.sampler.batch(self.workload.dataset, self.step, m, self.device)
             losses.append(self.engine.micro_step(inputs, targets, self.workload.loss, self.accum, last=m == self.accum - 1))
         self.engine.optimizer_step(lr)
+        self.step_losses = losses
         self.step += 1
         self.window_steps += 1
         self.hb.step_time_s = time.perf_counter() - t0
@@ -193,8 +204,16 @@ class Loop:
             self.window_t0, self.window_steps = now, 0
 
     def save(self, why: str, final: bool = False) -> None:
+        from train_entry import resume_check
+
         self.hb.beat(self.step, contract.Phase.SAVING, force=True)
-        self.saved(self.ckpt.save(self.step, {"launch": self.session.ctx.launch}, final=final), why)
+        w = self.workload
+        # what the resume check compares: the step's loss, and the next step's first micro-batch's
+        probe = resume_check.next_step_probe(self.engine, w.dataset, w.loss, self.sampler, self.step, self.cfg)
+        meta = {"launch": self.session.ctx.launch, "probe": probe}
+        if self.step_losses:
+            meta["loss"] = resume_check.step_loss(self.step_losses)
+        self.saved(self.ckpt.save(self.step, meta, final=final), why)
 
     def saved(self, info: dict | None, why: str) -> None:
         if info and info.get("folder"):

@@ -9,6 +9,8 @@ TASK_DIR = "ORCHESTRATE_TASK_DIR"
 LAUNCH = "ORCHESTRATE_LAUNCH"
 NODE = "ORCHESTRATE_NODE"
 GENERATION = "ORCHESTRATE_GENERATION"
+DEEPSPEED_CONFIG = "ORCHESTRATE_DEEPSPEED_CONFIG"  # the rendered DeepSpeed JSON (engine kind deepspeed)
+TENSORBOARD_DIR = "ORCHESTRATE_TENSORBOARD_DIR"  # <task dir>/tensorboard: one folder for every launch of the task
 
 # set by the local executor's driver for each agent it starts (SLURM's own variables otherwise)
 JOB_ID = "ORCHESTRATE_JOB_ID"
@@ -18,3 +20,4 @@ RESTART_COUNT = "ORCHESTRATE_RESTART_COUNT"
 STRICT_TRANSITIONS = "ORCHESTRATE_STRICT_TRANSITIONS"  # 1: an illegal ledger state change raises
 FAULT_INJECT = "ORCHESTRATE_FAULT_INJECT"  # the watcher dies at a named point, as a killed one would
 FAULT_SLOW_SAVE_S = "ORCHESTRATE_FAULT_SLOW_SAVE_S"  # every checkpoint write sleeps this long first
+FAULT_REINIT = "ORCHESTRATE_FAULT_REINIT"  # after a resume's load, re-initialise the parameters whose names start with this

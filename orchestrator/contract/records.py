@@ -25,6 +25,12 @@ class Phase(TextEnum):
     REQUEUE = "requeue"  # saved on the checkpoint signal, leaving
     DONE = "done"
     FAILED = "failed"
+    # written by the node agent for a rank that reports no steps (``model.kind: command``
+    # without train_entry.client): the process is alive and its output grew since the last beat
+    ALIVE = "alive"
+
+
+AGENT = "agent"  # ``by`` of a heartbeat the node agent wrote for the rank
 
 
 class RequeueBy(TextEnum):
@@ -41,19 +47,23 @@ def heartbeat_record(
     world_size: int,
     node: str,
     launch: str,
-    step: int,
+    step: int | None,
     phase: str,
     step_time_s: float | None = None,
     generation: int = 0,
+    pid: int | None = None,
+    by: str | None = None,
 ) -> dict:
-    """One rank's heartbeat. ``phase``: init, train, saving, requeue, done, failed."""
-    return {
+    """One rank's heartbeat. ``phase``: init, train, saving, requeue, done, failed, alive.
+    The node agent writes one for a rank with ``by="agent"``, the rank's ``pid`` and no
+    ``step`` (None: the rank reports none); a rank's own beats have no ``by``."""
+    record = {
         "v": CONTRACT_VERSION,
         "rank": rank,
         "local_rank": local_rank,
         "world_size": world_size,
         "node": node,
-        "pid": os.getpid(),
+        "pid": os.getpid() if pid is None else pid,
         "launch": launch,
         "generation": generation,
         "step": step,
@@ -61,6 +71,9 @@ def heartbeat_record(
         "step_time_s": step_time_s,
         "time": time.time(),
     }
+    if by is not None:
+        record["by"] = by
+    return record
 
 
 # ---------------------------------------------------------------- what the login side accepts
@@ -70,8 +83,8 @@ TRACEBACK_MAX = 16000
 
 HEARTBEAT = Schema(
     "heartbeat",
-    {"rank": count, "generation": count, "node": name, "pid": count, "launch": name, "step": count, "phase": name,
-     "step_time_s": nullable(number), "time": number},
+    {"rank": count, "generation": count, "node": name, "pid": count, "launch": name, "step": nullable(count), "phase": name,
+     "step_time_s": nullable(number), "time": number, "by": nullable(name)},
     required=("rank", "time"),
     defaults={"generation": 0},
 )

@@ -10,8 +10,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, field_validator, model_validator
 
+from orchestrator.spec import slurmtext
 from orchestrator.spec.hf import HFModel, JsonlData
-from orchestrator.spec.strict import MAX_SEED, Strict, kind_discriminator
+from orchestrator.spec.strict import MAX_SEED, FieldError, Strict, kind_discriminator
 
 
 class GPTModel(Strict):
@@ -62,11 +63,72 @@ class ScriptModel(Strict):
     args: list[str] = Field(default_factory=list, description="Command-line arguments for the script.")
 
 
+# What the agent already is: a launcher in argv would start ranks the agent cannot signal
+# or restart, and every rank would start its own world.
+_LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "deepspeed", "accelerate"}
+PYTHONS = ("python", "python3")
+
+
+def _launcher(argv: list[str]) -> str | None:
+    """The launcher ``argv`` starts (torchrun, ``python -m torch.distributed.run`` ...), or None."""
+    first = argv[0].rsplit("/", 1)[-1]
+    if first in _LAUNCHERS:
+        return first
+    if re.fullmatch(r"python(\d+(\.\d+)*)?", first) and len(argv) > 2 and argv[1] == "-m" and argv[2] in _LAUNCHERS:
+        return f"{first} -m {argv[2]}"
+    return None
+
+
+class CommandModel(Strict):
+    """Any torchrun-compatible program, started by orchestrate's node agent once per rank."""
+
+    kind: Literal["command"] = Field(description="`command`: an existing training program, as it is.")
+    argv: list[str] = Field(
+        min_length=1,
+        description="The program and its arguments, one list item each, run without a shell (never one string). "
+        "A relative argv[0] with a '/' is taken from `cwd`. argv[0] `python` or `python3` is the "
+        "agent's own interpreter, so the ranks use the environment orchestrate runs in. Each rank gets the "
+        "torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and "
+        "ORCHESTRATE_DEEPSPEED_CONFIG; do not put `torchrun` in argv: the agent is the launcher. A wrapper "
+        "script must `exec` the program, so signals reach it.",
+    )
+    cwd: slurmtext.OptionalPath = Field(
+        None, description="Working folder of the ranks (relative paths in argv start here); default: the spec's folder."
+    )
+
+    @field_validator("argv", mode="before")
+    @classmethod
+    def _a_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            raise ValueError("argv is a list of arguments, not one command line (no shell runs it): "
+                             "write e.g. [python, train.py, --lr, '0.1']")
+        return v
+
+    @field_validator("argv")
+    @classmethod
+    def _argv(cls, v: list[str]) -> list[str]:
+        for i, item in enumerate(v):
+            try:
+                slurmtext.no_control(item)
+            except ValueError as exc:
+                raise FieldError((i,), str(exc)) from None
+        if not v[0].strip():
+            raise FieldError((0,), "the program is empty: argv[0] names the program to run")
+        if (launcher := _launcher(v)) is not None:
+            raise ValueError(
+                f"argv starts with the launcher `{launcher}`: drop it and give the training script itself "
+                "(e.g. [python, train.py, ...]); orchestrate's node agent is the launcher and starts one "
+                "process per rank with the torchrun variables set"
+            )
+        return v
+
+
 ModelSpec = Annotated[
     Union[
         Annotated[GPTModel, Tag("gpt")],
         Annotated[EntrypointModel, Tag("entrypoint")],
         Annotated[ScriptModel, Tag("script")],
+        Annotated[CommandModel, Tag("command")],
         Annotated[HFModel, Tag("hf")],
     ],
     kind_discriminator("gpt"),

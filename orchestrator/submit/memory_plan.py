@@ -328,10 +328,10 @@ def shape_of(spec) -> Shape:
     if m.kind == "gpt":
         vocab = 256 if spec.data.kind == "text" else spec.data.vocab_size
         return gpt_shape(vocab, m.seq_len, m.d_model, m.n_layer, m.n_head)
-    if m.kind == "script":
+    if m.kind in ("script", "command"):
         from orchestrator.errors import UserError
 
-        raise UserError("model.kind script: orchestrate plan cannot see the model inside a training script")
+        raise UserError(f"model.kind {m.kind}: orchestrate plan cannot see the model inside a training {m.kind}")
     if m.kind == "hf":
         return hf_shape_of(spec)
     from train_entry.engines.base import layer_units

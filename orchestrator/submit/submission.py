@@ -31,10 +31,14 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
             raise SpecError([yamlsrc.issue(lines, ("model", "script"), f"no file '{script}'", str(spec_path))])
         spec.model.script = str(script)
         set_path(raw, ("model", "script"), str(script))
+    if spec.model.kind == "command":
+        _command_paths(spec.model, here, raw, lines, str(spec_path))
     _absolute_paths(spec, here, raw)
     tasks = expand(spec, raw, lines, str(spec_path))
     for t in tasks:  # a sweep may set them too
         _absolute_paths(t.spec, here)
+        if t.spec.model.kind == "command":
+            _command_paths(t.spec.model, here, None, lines, str(spec_path))
     executor = executor or default_executor()
     workdir = _local_path(Path.cwd(), spec.workdir) if spec.workdir else home / "runs"
     plan = build_plan(
@@ -70,6 +74,26 @@ def _blame_overrides(issue: SpecIssue, lines: dict) -> SpecIssue:
         if issue.path == field or issue.path.startswith((field + ".", field + "[")):
             return SpecIssue(issue.path, None, f"{issue.message} (from --set {yamlsrc.shorten(item)})", "--set")
     return issue
+
+
+def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str) -> None:
+    """model.cwd absolute (the spec's folder when left out), and a relative argv[0] that
+    names a file (it has a '/') taken from there: the agent starts it on the compute nodes."""
+    cwd = _local_path(here, model.cwd) if model.cwd else here
+    if not os.path.isdir(cwd):
+        raise SpecError([yamlsrc.issue(lines, ("model", "cwd"), f"no folder '{cwd}'", source)])
+    model.cwd = str(cwd)
+    if raw is not None:
+        set_path(raw, ("model", "cwd"), str(cwd))
+    if "/" in model.argv[0]:
+        program = _local_path(cwd, model.argv[0])
+        if not os.path.isfile(program):
+            raise SpecError([yamlsrc.issue(lines, ("model", "argv", 0), f"no file '{program}'", source)])
+        if not os.access(program, os.X_OK):
+            raise SpecError([yamlsrc.issue(lines, ("model", "argv", 0), f"'{program}' is not executable (chmod +x it)", source)])
+        model.argv[0] = str(program)
+        if raw is not None:
+            set_path(raw, ("model", "argv"), list(model.argv))
 
 
 def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:

@@ -45,7 +45,9 @@ def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], 
     fields: dict = {}
     if beats:
         fields["heartbeat_at"] = max(r["time"] or 0 for r in beats)
-        fields["step"] = max(r["step"] or 0 for r in beats)
+        steps = [r["step"] for r in beats if r["step"] is not None]  # none: ranks that report no steps
+        if steps:
+            fields["step"] = max(steps)
         fields["nodes"] = ",".join(sorted({r["node"] for r in beats if r["node"]}))
         slowest = max((r["step_time_s"] or 0 for r in beats), default=0)
         if slowest > _stored_number(ledger.task(exp_id, idx).get("step_time_max")):

@@ -38,7 +38,7 @@ class Hang:
     def cause(self) -> str:
         return (
             f"hang: rank {self.rank} on {self.node} silent for {self.age_s:.0f} s in phase '{self.phase}' "
-            f"after step {self.step} (timeout {self.timeout_s:.0f} s)"
+            f"{'with no step reported' if self.step is None else f'after step {self.step}'} (timeout {self.timeout_s:.0f} s)"
         )
 
 
@@ -61,7 +61,9 @@ def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max:
     if not rows:
         return None  # (a row of a damaged type, written by an older version, is not a heartbeat)
     generation = max(h.get("generation") or 0 for h in rows)
-    limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: train_timeout(hb, step_time_max), Phase.SAVING: hb.save_timeout_s}
+    # ALIVE: the agent's beat for a rank that reports no steps, written while its output grows
+    limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: train_timeout(hb, step_time_max), Phase.SAVING: hb.save_timeout_s,
+              Phase.ALIVE: train_timeout(hb, step_time_max)}
     worst: Hang | None = None
     for h in rows:
         if (h.get("generation") or 0) != generation or h.get("phase") not in limits:

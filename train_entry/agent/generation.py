@@ -17,7 +17,9 @@ from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.contract import ExitCode, FailureKind, envvars
+from orchestrator.contract.trackers import tracker_env
 
+from train_entry.agent.liveness import Liveness
 from train_entry.env import NodeContext
 
 TERM_GRACE_S = 10.0
@@ -55,6 +57,7 @@ def worker_env(base: dict, cfg: contract.TaskConfig, ctx: NodeContext, local_ran
             "WORLD_SIZE": str(ctx.nnodes * per_node),
             "LOCAL_WORLD_SIZE": str(per_node),
             "NODE_RANK": str(ctx.node_rank),
+            "GROUP_RANK": str(ctx.node_rank),  # torchrun's name for it
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
             envvars.LAUNCH: launch,
@@ -63,8 +66,20 @@ def worker_env(base: dict, cfg: contract.TaskConfig, ctx: NodeContext, local_ran
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if cfg.deepspeed_config is not None:  # written next to task.json at submission
+        env[envvars.DEEPSPEED_CONFIG] = str(contract.deepspeed_config_path(cfg.task_dir))
     env.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
+    env.update(tracker_env(env, cfg.experiment_id, cfg.index, cfg.task_dir))  # the same tracked run on every launch
     return env
+
+
+def command_argv(model) -> list[str]:
+    """``model.kind: command``'s argv; `python`/`python3` is the agent's own interpreter,
+    so the ranks run in the environment orchestrate runs in."""
+    argv = list(model["argv"])
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
 
 
 def launch_exit_code(codes: dict[int, int | None], first_failed: int | None) -> int:
@@ -76,6 +91,24 @@ def launch_exit_code(codes: dict[int, int | None], first_failed: int | None) -> 
     if code is None or code < 0 or code not in [int(c) for c in ExitCode]:
         return ExitCode.INFRA_ERROR
     return code
+
+
+class NotStarted:
+    """A rank whose program could not be started: it has ended, with ``code``."""
+
+    pid = 0
+
+    def __init__(self, code: int):
+        self.returncode = int(code)
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        pass
 
 
 class Generation:
@@ -101,10 +134,18 @@ class Generation:
         # us: a rank killed by SIGTERM/SIGINT counts as failed only if no such signal
         # comes to the agent within EXTERNAL_KILL_S.
         self.killed_at: dict[int, float] = {}
+        # a command (model.kind: command) may report nothing itself: the agent beats for
+        # it while it lives and prints, and signals its whole process group to stop it
+        self.command = cfg.model["kind"] == "command"
+        self.liveness = Liveness(tdir, ctx.node_name, launch, generation, ctx.nnodes * self.per_node, cfg.heartbeat.interval_s)
+        self.ckpt_signal = getattr(signal, "SIG" + cfg.checkpoint.signal)
 
     def start(self) -> None:
+        cwd = None
         if self.cfg.model["kind"] == "script":  # the user's own loop, with train_entry.client
             argv = [sys.executable, self.cfg.model["script"], *self.cfg.model["args"]]
+        elif self.command:
+            argv, cwd = command_argv(self.cfg.model), self.cfg.model.get("cwd")
         else:
             argv = [sys.executable, "-m", "train_entry.worker", str(self.tdir)]
         for local_rank in range(self.per_node):
@@ -117,7 +158,17 @@ class Generation:
                 fh.flush()
                 env = worker_env(dict(os.environ), self.cfg, self.ctx, local_rank, self.addr, self.port, self.launch)
                 env[envvars.GENERATION] = str(self.generation)
-                self.procs[rank] = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                try:
+                    # a command's rank leads its own session: stopping reaches its children
+                    # (a wrapper's, DataLoader workers) through its process group
+                    self.procs[rank] = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                                        stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=self.command)
+                except OSError as exc:  # no such program on this node, not executable: the user's to fix
+                    fh.write(f"orchestrate agent: cannot start {argv[0]}: {exc.strerror}\n")
+                    self.procs[rank] = NotStarted(ExitCode.USER_ERROR)
+                    continue
+            if self.command:
+                self.liveness.started(rank, local_rank, self.procs[rank].pid)
         self.codes = {r: None for r in self.procs}
 
     def run(self) -> Result | None:
@@ -131,6 +182,8 @@ class Generation:
                 self._propose(self.first_failed, self.codes[self.first_failed])
                 return self._end()
             self._enforce_stop()
+            if self.command:
+                self.liveness.tick({r for r, c in self.codes.items() if c is None})
             time.sleep(0.1)
         if not self.cancelled and not all(c == 0 for c in self.codes.values()):
             # every rank here is gone: wait for the root cause to be told, or tell it
@@ -156,11 +209,15 @@ class Generation:
             sig = self.flags.signals.pop(0)
             if sig in STOPPING:
                 self.cancelled = True
-            _signal_all(self.procs, self.codes, sig)
+            self._signal(sig)
 
     def _poll(self) -> None:
         for rank, p in self.procs.items():
             if self.codes[rank] is None and (rc := p.poll()) is not None:
+                if self.command and rc == -self.ckpt_signal:
+                    # SLURM sends the checkpoint signal to every process of the job; a command
+                    # without a handler dies of it, as good as leaving to be requeued (unsaved)
+                    rc = int(ExitCode.REQUEUE)
                 self.codes[rank] = rc
                 if rc in (-signal.SIGTERM, -signal.SIGINT):
                     self.killed_at[rank] = time.time()
@@ -177,11 +234,11 @@ class Generation:
     def _enforce_stop(self) -> None:
         if self.cancelled and self.stop_deadline is None:
             self.stop_deadline = time.time() + TERM_GRACE_S
-            _signal_all(self.procs, self.codes, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
         if self.first_failed is not None and self.stop_deadline is None:  # saved on the signal: its peers are exiting too
             self.stop_deadline = time.time() + TERM_GRACE_S
         if self.stop_deadline is not None and time.time() > self.stop_deadline:
-            _signal_all(self.procs, self.codes, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
 
     @staticmethod
     def _may_speak(code: int | None, failed_at: float) -> bool:
@@ -203,7 +260,7 @@ class Generation:
             what = f"raised {err.get('type')}: {str(err.get('message', ''))[:300]}"
         else:
             what = f"exited with code {code}"
-        cause = f"rank {rank} on {self.ctx.node_name} {what} (after step {step})"
+        cause = f"rank {rank} on {self.ctx.node_name} {what} ({'no step reported' if step is None else f'after step {step}'})"
         history = contract.generation_ends(self.ldir)[: self.generation]
         record = contract.generation_end(
             contract.failure_kind(code), cause, self.generation, history, self.cfg.retry.max_restarts, step,
@@ -219,17 +276,24 @@ class Generation:
                                                        "exit_code": int(ExitCode.INFRA_ERROR)}
         if record.get("dump"):  # a hang: every rank writes its stacks first
             self._dump_stacks()
-        _signal_all(self.procs, self.codes, signal.SIGTERM)
-        _signal_all(self.procs, self.codes, signal.SIGCONT)
+        self._signal(signal.SIGTERM)
+        self._signal(signal.SIGCONT)
         deadline = time.time() + TERM_GRACE_S
         for rank, p in self.procs.items():
             try:
                 p.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                self._signal_rank(rank, signal.SIGKILL)
                 p.wait()
             if self.codes[rank] is None:
                 self.codes[rank] = p.returncode
+        if self.command:  # what a rank left behind in its group (a wrapper's children) goes with it
+            for p in self.procs.values():
+                if p.pid:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
         contract.atomic_write_json(
             contract.generation_stopped_path(self.ldir, self.generation, self.ctx.node_rank),
             {"node": self.ctx.node_name, "codes": {str(r): c for r, c in self.codes.items()}, "time": time.time()},
@@ -244,8 +308,10 @@ class Generation:
         procs, codes = self.procs, self.codes
         stacks = {r: contract.stacks_path(self.ldir, self.generation, r) for r in procs if codes[r] is None}
         before = {r: _size(p) for r, p in stacks.items()}
-        _signal_all(procs, codes, contract.dump_signal())
-        _signal_all(procs, codes, signal.SIGCONT)
+        self._signal(contract.dump_signal())
+        self._signal(signal.SIGCONT)
+        if self.command:  # only a rank that beats for itself writes stacks; the others are stopped without
+            stacks = {r: p for r, p in stacks.items() if self.liveness.integrated(r)}
         deadline = time.time() + DUMP_WAIT_S
         while time.time() < deadline and any(_size(p) <= before[r] for r, p in stacks.items()):
             time.sleep(0.05)
@@ -276,17 +342,33 @@ class Generation:
         return ExitCode.INFRA_ERROR, self.codes, first
 
 
+    # ------------------------------------------------------------ signals
+
+    def _signal(self, sig: int) -> None:
+        for rank in self.procs:
+            if self.codes[rank] is None:
+                self._signal_rank(rank, sig)
+
+    def _signal_rank(self, rank: int, sig: int) -> None:
+        """The built-in loop and scripts: the rank process. A command: stopping signals to its
+        whole process group; the checkpoint and dump signals to the rank process alone (its
+        DataLoader workers would die of them), and only once it beats for itself, having
+        installed its handlers (without one, either signal would kill it)."""
+        p = self.procs[rank]
+        try:
+            if not self.command:
+                p.send_signal(sig)
+            elif sig in (self.ckpt_signal, contract.dump_signal()):
+                if self.liveness.integrated(rank):
+                    p.send_signal(sig)
+            elif p.returncode is None:  # its group is its pid (start_new_session); not yet reaped
+                os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _signal_all(procs: dict, codes: dict, sig: int) -> None:
-    for rank, p in procs.items():
-        if codes[rank] is None:
-            try:
-                p.send_signal(sig)
-            except ProcessLookupError:
-                pass

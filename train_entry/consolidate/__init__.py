@@ -33,6 +33,7 @@ from pathlib import Path
 
 from orchestrator import contract
 from train_entry.consolidate.dcp import DcpReader
+from train_entry.consolidate import trainer as trainer_export
 from train_entry.consolidate.items import ConsolidateError, Item
 from train_entry.consolidate.writers import SafetensorsWriter, TorchWriter, index_name, plan_shards, shard_names
 from train_entry.consolidate.zero import ZeroReader
@@ -107,7 +108,10 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         export = hf_export.prepare(folder, manifest, base)  # hf.json and the base folder checked before any tensor
     elif base is not None:
         raise ConsolidateError("--base is the base model folder of a Hugging Face export (--hf)")
-    reader = open_reader(folder, manifest)
+    if manifest.get("state_format") == trainer_export.STATE_FORMAT:  # a Trainer's own folder: copied, not read
+        export, reader = trainer_export.prepare(folder, fmt), None
+    else:
+        reader = open_reader(folder, manifest)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -1,0 +1,205 @@
+"""A Hugging Face Trainer script with one added line (OrchestrateCallback), as a user runs it:
+preempted on the real local cluster and requeued, it ends with the per-step losses of an
+uninterrupted run, bit for bit (DDP and DeepSpeed ZeRO-2); its ledger shows the attempts,
+losses and eval losses; its final checkpoint consolidates into a folder PEFT loads; a damaged
+newest checkpoint is skipped on resume."""
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
+from orchestrator import contract
+from orchestrator.ledger import Ledger
+from test_faults_slurm import metrics, release  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = REPO / "configs" / "hf_trainer_train.py"
+SPEC = """\
+name: {name}
+model:
+  kind: script
+  script: {script}
+  args: [--model, {model}, --data, {data}, --out, {out}, --steps, "{steps}", --save-steps, "{save}", --eval-steps, "{save}",
+         --max-length, "32", --batch, "2"{extra}]
+engine: {engine}
+steps: {steps}
+checkpoint: {{keep_last: 2{resume}}}
+heartbeat: {{interval_s: 1}}
+resources: {{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: "00:10:00"{partition}}}
+"""
+# a tiny model trains a step in ~20 ms: enough steps that the preemption lands mid-run
+STEPS = 800
+ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed")}
+
+
+@pytest.fixture(scope="module")
+def data(tiny_model, tmp_path_factory) -> Path:
+    sys.path.insert(0, str(REPO / "tests" / "hf"))
+    import tiny
+
+    return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=72)
+
+
+def spec(tmp_path, name, model, data, engine="ddp", steps=40, save=10, partition=None, resume_from=None) -> Path:
+    ds, extra = ENGINES[engine]
+    return write(tmp_path / f"{name}.yaml", SPEC.format(
+        name=name, script=SCRIPT, model=model, data=data, out=tmp_path / f"{name}-out", steps=steps, save=save, extra=extra,
+        engine=ds, resume="" if resume_from is None else f", resume_from: {resume_from}",
+        partition="" if partition is None else f", partition: {partition}"))
+
+
+def by_step(task_dir) -> dict[int, dict]:
+    """step -> the last metrics row written for it (a resumed run may write a step again)."""
+    return {m["step"]: m for m in metrics(task_dir)}
+
+
+def local_run(home, spec_path) -> dict:
+    out = cli("submit", str(spec_path), "--executor", "local", "--wait", "--json", home=home, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)["experiments"][0]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home, tmp_path, release, tiny_model, data, engine):
+    preempted = spec(tmp_path, f"trainer-{engine}", tiny_model, data, engine, steps=STEPS, save=STEPS // 4, partition="low")
+    exp_id = submit(home, str(preempted), "--executor", "slurm")
+    tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
+    deadline = time.time() + 150
+    while max(by_step(tdir), default=0) < 5:
+        assert time.time() < deadline, "the low-priority run did not get going"
+        time.sleep(0.3)
+    slurm_run("sbatch", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "sleep 2")  # takes every node
+    exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 400)
+    assert exp["state"] == "COMPLETED", (exp, (tdir / "logs").exists() and cli("logs", exp_id, home=home).stdout[-3000:])
+
+    ledger = Ledger.open(home / "ledger.db")
+    attempts = ledger.attempts(exp_id, 0)
+    assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
+    assert "(preempted)" in attempts[0]["reason"], attempts[0]["reason"]
+    events = ledger.events(exp_id)
+    signalled = [e for e in events if e["kind"] == "checkpoint.signal"]
+    resumed = [e["cause"] for e in events if e["kind"] == "checkpoint.resumed"]
+    assert signalled and resumed, [e["kind"] for e in events]
+    saved_at = int(re.search(r"saving step (\d+)", signalled[0]["cause"]).group(1))
+    assert 5 <= saved_at < STEPS and resumed[0].startswith(f"resumed from step {saved_at} "), (saved_at, resumed)
+
+    # the same script, never interrupted, on the same world of 2 ranks
+    ref = local_run(home, spec(tmp_path, f"ref-{engine}", tiny_model, data, engine, steps=STEPS, save=STEPS // 4))
+    ref_rows = by_step(contract.task_dir(ref["run_dir"], 0))
+    rows = by_step(tdir)
+    assert sorted(rows) == list(range(1, STEPS + 1)) == sorted(ref_rows)
+    assert [rows[s]["loss"] for s in rows] == [ref_rows[s]["loss"] for s in rows]  # bitwise, step by step
+    evals = {s: r["eval_loss"] for s, r in rows.items() if r["eval_loss"] is not None}
+    assert sorted(evals) == [STEPS // 4 * k for k in (1, 2, 3, 4)] and evals == {s: ref_rows[s]["eval_loss"] for s in evals}
+    assert [m["step"] for m in ledger.metrics(exp_id, 0)] == list(range(1, STEPS + 1))  # the ledger has every step
+    launches = {m["launch"] for m in metrics(tdir)}
+    assert len(launches) == 2, launches  # both attempts wrote losses
+
+    # committed checkpoints only: the Trainer's own output folder keeps none of its checkpoint-N
+    listed = cli("ckpt", "list", str(tdir), "--json", home=home)
+    assert listed.returncode == 0, listed.stderr
+    assert not list((tmp_path / f"trainer-{engine}-out").glob("checkpoint-*"))
+    final = contract.checkpoints_dir(tdir) / contract.checkpoint_name(STEPS)
+    manifest = contract.read_manifest(final)
+    assert manifest["state_format"] == "hf-trainer" and manifest["engine"] == ("deepspeed" if engine == "zero2" else "ddp")
+    assert manifest["fingerprint"]["params"] and isinstance(manifest["loss"], float)
+    shards = [n for n in manifest["files"] if n.startswith("global_step")]  # DeepSpeed's own files: the Trainer ran ZeRO-2
+    assert bool(shards) == (engine == "zero2"), sorted(manifest["files"])
+    assert manifest["loss"] == rows[STEPS]["loss"]
+    assert cli("ckpt", "verify", str(final), home=home).returncode == 0
+
+    out = tmp_path / "adapter"
+    res = cli("ckpt", "consolidate", str(tdir), "--out", str(out), home=home)
+    assert res.returncode == 0, res.stderr
+    _loads_as_the_checkpoint(tiny_model, out, final)
+    runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", exp["tasks"][0]["job_id"]).split()
+    assert runs[-2:] == ["REQUEUED", "COMPLETED"], runs
+
+
+def _loads_as_the_checkpoint(base: Path, out: Path, final: Path) -> None:
+    import peft
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "consolidated.json"}
+    assert not [p for p in out.iterdir() if p.suffix in (".pt", ".pth", ".bin")]  # nothing pickled comes along
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+    saved = load_file(final / "adapter_model.safetensors")
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(state) == len(saved) > 0
+    for k, v in saved.items():
+        loaded = state[k.replace(".weight", ".default.weight")]
+        assert torch.equal(loaded, v), k
+
+
+def test_a_damaged_newest_trainer_checkpoint_is_skipped_on_resume(home, tmp_path, tiny_model, data):
+    first = local_run(home, spec(tmp_path, "first", tiny_model, data, steps=30, save=10))
+    ckdir = contract.checkpoints_dir(contract.task_dir(first["run_dir"], 0))
+    assert [s for s, _ in contract.committed_checkpoints(ckdir.parent)] == [30, 20]  # keep_last 2, Trainer's rotation idle
+    weights = ckdir / contract.checkpoint_name(30) / "adapter_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF  # same size: only the sha256 tells
+    weights.write_bytes(bytes(raw))
+
+    second = local_run(home, spec(tmp_path, "second", tiny_model, data, steps=30, save=10, resume_from=ckdir))
+    assert second["state"] == "COMPLETED", second
+    ledger = Ledger.open(home / "ledger.db")
+    events = ledger.events(second["id"])
+    skipped = [e["cause"] for e in events if e["kind"] == "checkpoint.skipped"]
+    resumed = [e["cause"] for e in events if e["kind"] == "checkpoint.resumed"]
+    assert skipped and contract.checkpoint_name(30) in skipped[0] and "sha256" in skipped[0], skipped
+    assert resumed and resumed[0].startswith("resumed from step 20 "), resumed
+    # steps 21..30 again, from step 20's state: the same losses as the first run
+    a, b = by_step(contract.task_dir(first["run_dir"], 0)), by_step(contract.task_dir(second["run_dir"], 0))
+    assert sorted(b) == list(range(21, 31))
+    assert [b[s]["loss"] for s in b] == [a[s]["loss"] for s in b]
+
+    # step 20 re-saved with one tensor changed and its manifest entry made to match: the files
+    # verify, the fingerprint does not; the run stops before its first step and says why
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    step20 = ckdir / contract.checkpoint_name(20)
+    tensors = load_file(step20 / "adapter_model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.01
+    save_file(tensors, step20 / "adapter_model.safetensors", metadata={"format": "pt"})
+    manifest = contract.read_manifest(step20)
+    path = step20 / "adapter_model.safetensors"
+    manifest["files"]["adapter_model.safetensors"] = {"size": path.stat().st_size, "sha256": contract.file_sha256(path)}
+    contract.atomic_write_json(step20 / contract.MANIFEST, manifest)
+    out = cli("submit", str(spec(tmp_path, "third", tiny_model, data, steps=30, save=10, resume_from=ckdir)),
+              "--executor", "local", "--wait", "--json", home=home, timeout=400)
+    third = json.loads(out.stdout)["experiments"][0]
+    assert third["state"] == "FAILED", third
+    events = Ledger.open(home / "ledger.db").events(third["id"])
+    mismatch = [e["cause"] for e in events if e["kind"] == "checkpoint.mismatch"]
+    assert mismatch and "do not match the checkpoint's fingerprint" in mismatch[0] and "lora" in mismatch[0], mismatch
+    assert not metrics(contract.task_dir(third["run_dir"], 0))  # not one step trained on it
+    assert torch.equal(load_file(path)[name], tensors[name])
+
+
+def test_an_accelerate_loop_with_the_helper_resumes_bitwise_after_a_requeue(home):
+    from test_resume import run_and_interrupt
+
+    exp = run_and_interrupt(home, "configs/accelerate.yaml", 25, "--set", "sweep={grid: {env.RUN: [plain, interrupted]}}")
+    assert exp["state"] == "COMPLETED", exp
+    ledger = Ledger.open(home / "ledger.db")
+    plain = {m["step"]: m["loss"] for m in ledger.metrics(exp["id"], 0)}
+    resumed = {m["step"]: m["loss"] for m in ledger.metrics(exp["id"], 1)}
+    assert sorted(resumed) == list(range(1, 61)) and resumed == plain
+    assert plain[60] < plain[1] - 1.0  # it learned
+    assert [a["state"] for a in ledger.attempts(exp["id"], 1)] == ["REQUEUED", "COMPLETED"]
+    kinds = [e["kind"] for e in ledger.events(exp["id"]) if e["idx"] == 1]
+    assert "checkpoint.resumed" in kinds and "checkpoint.committed" in kinds
+    final = contract.checkpoints_dir(contract.task_dir(exp["run_dir"], 1)) / contract.checkpoint_name(60)
+    manifest = contract.read_manifest(final)
+    assert manifest["state_format"] == "accelerate" and manifest["fingerprint"]["params"] and manifest["loss"] == resumed[60]

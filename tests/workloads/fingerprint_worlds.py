@@ -1,0 +1,39 @@
+"""One rank: the built-in model (same seed everywhere) wrapped by an engine, and its
+fingerprint written by rank 0 (tests/test_resume_fingerprint.py compares them).
+
+    python fingerprint_worlds.py KIND OUT_JSON    (with RANK, WORLD_SIZE, MASTER_* set)
+KIND: plain (no process group wrapper), ddp, fsdp, zero1, zero2, zero3.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from orchestrator import contract
+from train_entry import fingerprint
+from train_entry.engines import build_engine
+from train_entry.models import GPT
+
+kind, out = sys.argv[1], sys.argv[2]
+os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+dist.init_process_group("gloo")
+world = dist.get_world_size()
+engine = {"kind": kind if kind in ("ddp", "fsdp") else "deepspeed", "backend": "gloo", "precision": "fp32",
+          "find_unused_parameters": False, "activation_checkpointing": False, "sharding": "full", "cpu_offload": False, "wrap": None}
+raw = {
+    "contract": contract.CONTRACT_VERSION, "experiment_id": "fp", "index": 0, "steps": 1, "task_dir": os.path.dirname(out),
+    "engine": engine, "optimizer": {"name": "adamw", "lr": 1e-3, "grad_clip": None},
+    "resources": {"tasks_per_node": world},
+}
+if kind.startswith("zero"):
+    raw["deepspeed_config"] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+                               "zero_optimization": {"stage": int(kind[-1])}, "zero_allow_untested_optimizer": True}
+torch.manual_seed(3)
+model = GPT(vocab=97, seq_len=16, d_model=48, n_layer=2, n_head=4)  # 97 rows: shards of unequal size
+wrapped = model if kind == "plain" else build_engine(contract.TaskConfig.from_dict(raw), model, torch.device("cpu")).model
+fp = fingerprint.compute(wrapped)
+if dist.get_rank() == 0:
+    contract.atomic_write_json(out, fp)
+dist.destroy_process_group()

@@ -1,0 +1,222 @@
+"""The Hugging Face Trainer under orchestrate, with one line::
+
+    trainer = Trainer(model=model, args=args, ..., callbacks=[OrchestrateCallback()])
+    trainer.train()
+
+Run the script with ``model: {kind: script, script: train.py}`` (or ``kind: command``).
+The callback then:
+
+- beats this rank's heartbeat at every step (hang detection), and writes the Trainer's
+  logs to the ledger: loss and learning rate per logged step, ``eval_loss`` after each
+  evaluation;
+- turns the checkpoint signal (preemption, time limit), agreed by every rank at the end
+  of a step, into ``should_save`` + ``should_training_stop``; once that checkpoint is
+  committed the process exits with the requeue code (75), and the run resumes later;
+- makes every ``checkpoint-N`` the Trainer writes count only once committed: after the
+  Trainer's save it is moved into ``checkpoints/.tmp-step-N`` and committed with a
+  manifest (files, sha256, the model's fingerprint, the step's loss), so ``orchestrate
+  ckpt list / verify / prune / consolidate`` see it. ``checkpoint.keep_last`` decides how
+  many are kept (the Trainer's ``save_total_limit`` finds no older folder to rotate);
+- resumes: ``trainer.train()`` without ``resume_from_checkpoint`` (or with ``True``)
+  starts from the newest committed checkpoint that verifies, damaged ones skipped with an
+  event; an explicit path (or ``False``, a fresh start) wins. Before the first step the
+  loaded trainable parameters are checked against the fingerprint the checkpoint recorded.
+
+DeepSpeed: pass ``TrainingArguments(deepspeed=deepspeed_config())``: the config orchestrate
+rendered from the spec (``engine: {kind: deepspeed, stage: 2}``), with the batch sizes and
+clipping the Trainer takes from its own arguments left to it (``"auto"``). On CPU this also
+skips DeepSpeed's shared-memory op build, which only inference uses.
+
+Outside orchestrate (no task folder in the environment) the callback does nothing, so the
+same script still runs under plain ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+from transformers import Trainer, TrainerCallback
+
+from orchestrator import contract
+from orchestrator.contract import envvars
+
+from train_entry.integrations import common
+
+STATE_FORMAT = "hf-trainer"  # a Trainer checkpoint-N folder as it is, plus the manifest
+# what the Trainer fills from its TrainingArguments: the spec's values would only disagree with them
+_TRAINER_OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+
+
+def deepspeed_config() -> dict | None:
+    """The DeepSpeed config orchestrate rendered for this task (``engine: deepspeed``), for
+    ``TrainingArguments(deepspeed=...)``; None for another engine or outside orchestrate."""
+    task_dir = os.environ.get(envvars.TASK_DIR)
+    if not task_dir:
+        return None
+    cfg = contract.TaskConfig.load(task_dir)
+    if cfg.deepspeed_config is None:
+        return None
+    if os.environ.get("ORCHESTRATE_DEVICE", "cpu") == "cpu" and not _cuda():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import torch
+
+        from train_entry.engines.deepspeed import skip_unneeded_op_builds
+
+        skip_unneeded_op_builds(torch.device("cpu"))
+    ds = contract.thaw(cfg.deepspeed_config)
+    ds.pop("optimizer", None)  # the Trainer makes its own (TrainingArguments.optim)
+    ds.pop("scheduler", None)
+    for key in _TRAINER_OWNED:
+        ds[key] = "auto"
+    return ds
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class OrchestrateCallback(TrainerCallback):
+    """The whole lifecycle for a Trainer: heartbeats, metrics, save-and-requeue on the
+    checkpoint signal, committed checkpoints, resume and its check. See the module's doc."""
+
+    def __init__(self) -> None:
+        self.active = bool(os.environ.get(envvars.TASK_DIR))
+        self.run = None
+        self.stopping = False
+        self.resumed_from: Path | None = None
+        self.deepspeed = False
+        self._losses: dict[int, float] = {}  # step -> logged loss (for the manifest and eval rows)
+        self._lrs: dict[int, float] = {}
+        self._step_started = time.time()
+        if not self.active:
+            print(f"orchestrate: {envvars.TASK_DIR} is not set, so OrchestrateCallback does nothing "
+                  "(run the script through an orchestrate spec)", file=sys.stderr, flush=True)
+        _wrap_train()
+
+    # ------------------------------------------------------------ set-up and resume
+
+    def _ensure_run(self):
+        if self.run is None:
+            from train_entry import client
+
+            common.ensure_process_group()
+            self.run = client.init()
+        return self.run
+
+    def on_init_end(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        if args.load_best_model_at_end:
+            raise ValueError("OrchestrateCallback: load_best_model_at_end is not supported: checkpoint-N folders move "
+                             "into orchestrate's checkpoints/step-N once committed; leave it False")
+        self._ensure_run()
+
+    def resume_argument(self, given):
+        """What ``Trainer.train`` gets as ``resume_from_checkpoint`` (collective)."""
+        run = self._ensure_run()
+        if given is False:
+            return None
+        if given is None or given is True:  # True: the Trainer's "newest in output_dir", which is ours
+            found = common.find_resume(run)
+            self.resumed_from = found.folder
+            return None if found.folder is None else str(found.folder)
+        folder = Path(given)  # the user's own choice; checked only if it is one of ours
+        self.resumed_from = folder if os.path.lexists(folder / contract.MANIFEST) else None
+        return given
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not self.active:
+            return
+        run = self._ensure_run()
+        self.deepspeed = bool(args.deepspeed)
+        if self.resumed_from is not None:  # the Trainer has loaded it by now
+            common.check_resumed(run, self.resumed_from, model)
+        self._step_started = time.time()
+        run._hb.beat(state.global_step, contract.Phase.TRAIN, force=True)
+
+    # ------------------------------------------------------------ every step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        run = self.run
+        now = time.time()
+        run._hb.step_time_s = now - self._step_started
+        self._step_started = now
+        run.report(state.global_step)
+        if run.should_stop() and state.global_step < state.max_steps:
+            self.stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+            run._hb.event("checkpoint.signal", f"checkpoint signal: saving step {state.global_step}, then leaving to be "
+                          "requeued", step=state.global_step)
+        if control.should_save:
+            run._hb.beat(state.global_step, contract.Phase.SAVING, force=True)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.active:  # a long evaluation is not a hang (written at most once per heartbeat interval)
+            self.run._hb.beat(state.global_step, contract.Phase.TRAIN)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self.active or not logs:
+            return
+        step = state.global_step
+        hb = self.run._hb
+        if "loss" in logs:
+            self._losses[step], self._lrs[step] = float(logs["loss"]), _number(logs.get("learning_rate"))
+            hb.metric(step, self._losses[step], self._lrs[step], None)
+        if "eval_loss" in logs:  # the same row as the step's loss: the ledger keeps one row per step
+            hb.metric(step, self._losses.get(step), self._lrs.get(step), None, eval_loss=float(logs["eval_loss"]))
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not self.active:
+            return
+        step = state.global_step
+        src = Path(args.output_dir) / f"checkpoint-{step}"
+        meta = {"state_format": STATE_FORMAT, "engine": "deepspeed" if self.deepspeed else "ddp",
+                "adapter": os.path.exists(src / "adapter_config.json")}
+        if step in self._losses:
+            meta["loss"] = self._losses[step]
+        common.commit_saved(self.run, step, src, model, meta)
+        if self.stopping:
+            self.run.exit_for_requeue(step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.active and not self.stopping:
+            self.run.finish(state.global_step)
+
+
+def _number(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _ours(trainer) -> OrchestrateCallback | None:
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, OrchestrateCallback) and cb.active:
+            return cb
+    return None
+
+
+def _wrap_train() -> None:
+    """``Trainer.train`` of trainers holding the callback resumes from the newest committed
+    checkpoint when no ``resume_from_checkpoint`` is given. Wrapped once, on the class, so
+    subclasses that call ``super().train()`` are covered; others pass through unchanged."""
+    if getattr(Trainer.train, "_orchestrate", False):
+        return
+    original = Trainer.train
+
+    @functools.wraps(original)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        cb = _ours(self)
+        if cb is not None:
+            resume_from_checkpoint = cb.resume_argument(resume_from_checkpoint)
+        return original(self, resume_from_checkpoint, *args, **kwargs)
+
+    train._orchestrate = True
+    Trainer.train = train
