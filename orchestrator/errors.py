@@ -32,10 +32,10 @@ SHOWN_ISSUES = 50  # of a SpecError's message; all of them stay in ``issues``
 class SpecError(UserError):
     """Every problem found in one spec, each with its field path and line."""
 
-    def __init__(self, issues: list[SpecIssue]):
+    def __init__(self, issues: list[SpecIssue], what: str = "the experiment spec"):
         self.issues = sorted(issues, key=lambda i: (i.line is None, i.line or 0, i.path))
         n = len(self.issues)
-        head = f"{n} error{'s' if n != 1 else ''} in the experiment spec"
+        head = f"{n} error{'s' if n != 1 else ''} in {what}"
         shown = [i.render() for i in self.issues[:SHOWN_ISSUES]]
         if n > SHOWN_ISSUES:  # a list of 10,000 bad values: the first ones say what is wrong
             shown.append(f"... and {n - SHOWN_ISSUES} more")

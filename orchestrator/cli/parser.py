@@ -36,6 +36,8 @@ def _add_spec_commands(sub) -> None:
     """validate, schema, plan: read a spec, submit nothing."""
     sp = sub.add_parser("validate", help="check a spec and report every error with its field and line")
     _spec_args(sp)
+    sp.add_argument("--explain", action="store_true",
+                    help="show where each value comes from: site or user defaults file, the spec, or --set (with lines)")
 
     sp = sub.add_parser("schema", help="print the spec's JSON Schema (for editors), or its reference as Markdown")
     sp.add_argument("--markdown", action="store_true", help="the field reference as a Markdown table")

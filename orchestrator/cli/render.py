@@ -250,3 +250,21 @@ def memory_plan_tables(doc: dict) -> list:
         )
     verdict = f"recommended: {rec['name']}" + (" with activation checkpointing" if rec["activation_checkpointing"] else "") if rec["name"] else "no recommendation"
     return [t, Text(f"{verdict}\n{rec['reason']}")]
+
+
+def sources_table(sources: dict) -> Table:
+    """`validate --explain`: each value that is not a built-in default and where it came
+    from (``layers.explain``'s rows), under the defaults files that were read."""
+    files = ", ".join(f"{f['layer']} {printable(f['file'], VALUE_MAX)}" for f in sources["layers"]) or "none"
+    t = Table(title=f"where each value comes from (defaults files: {files}); every other field has its built-in default",
+              title_justify="left")
+    for col in ("field", "value", "from", "where"):
+        t.add_column(col)
+    for row in sources["values"]:
+        where = row["file"] if row["line"] is None else f"{row['file']}:{row['line']}"
+        value = json.dumps(row["value"], ensure_ascii=False)
+        t.add_row(_cell(row["field"]), _cell(value, limit=80), _cell(row["layer"], style=_LAYER_STYLE.get(row["layer"], "")), _cell(where))
+    return t
+
+
+_LAYER_STYLE = {"site": "magenta", "user": "cyan", "--set": "yellow"}

@@ -17,6 +17,8 @@ def cmd_validate(args) -> int:
     home = access.home_dir(args.home)
     plan = submission.make_plan(args.spec, args.overrides, "local", home)
     print(f"{args.spec}: valid, {len(plan.tasks)} task(s), world size {plan.resources.world_size} each")
+    if args.explain:
+        stdout_console().print(render.sources_table(plan.sources))
     return 0
 
 

@@ -3,6 +3,7 @@
 Run folder layout (one per experiment)::
 
     <run_dir>/spec.resolved.yaml       the validated spec, sweep expanded
+    <run_dir>/spec.sources.json        the defaults files layered under it and where each value came from
     <run_dir>/submitit/                submitit's pickles and scheduler logs
     <run_dir>/tasks/<index>/task.json  what the trainer of one sweep point runs (TaskConfig)
         deepspeed.json                the rendered DeepSpeed config, for the user to read
@@ -34,6 +35,7 @@ from pathlib import Path
 PathLike = str | os.PathLike
 
 SPEC_RESOLVED = "spec.resolved.yaml"
+SPEC_SOURCES = "spec.sources.json"
 TASK_CONFIG = "task.json"
 DEEPSPEED_CONFIG = "deepspeed.json"
 START = "start.json"

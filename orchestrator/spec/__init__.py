@@ -1,5 +1,7 @@
 """The experiment spec. Models: ``experiment`` (the whole `Spec`) built from ``workload``
 (model, data), ``engines``, ``sections`` (resources, batch, optimizer, policies) on the
 base in ``strict``. Loading: ``load`` (YAML with line numbers via ``yamlsrc``, `--set`
-overrides), ``issues`` (errors pointed at the user's text). Also sweep expansion
-(``sweep``), SLURM units (``units``) and the generated field reference (``reference``)."""
+overrides), ``issues`` (errors pointed at the user's text), ``layers`` (site and user
+defaults under the spec, and where each value came from) with ``defaults`` (their
+files). Also sweep expansion (``sweep``), SLURM units (``units``) and the generated
+field reference (``reference``)."""

@@ -18,10 +18,15 @@ from orchestrator.spec.strict import FieldError
 def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=None) -> list[SpecIssue]:
     """One issue per pydantic error; ``set_paths`` (path -> `--set` item) defaults to the
     overrides the line map records."""
+    return issues_of(exc.errors(), raw, lines, source, set_paths)
+
+
+def issues_of(errors: list[dict], raw: Any, lines: dict, source: str, set_paths=None) -> list[SpecIssue]:
+    """``issues_from`` for some of a ValidationError's errors."""
     if set_paths:
         lines = _with_overrides(lines, set_paths)
     issues = []
-    for err in exc.errors():
+    for err in errors:
         path = data_path(raw, err["loc"])
         msg = err["msg"]
         if msg.startswith("Value error, "):
@@ -50,6 +55,7 @@ def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_pa
 def _with_overrides(lines: dict, set_paths) -> yamlsrc.LineMap:
     out = yamlsrc.LineMap(lines)
     out.overrides.update(getattr(lines, "overrides", {}))
+    out.defaults.update(getattr(lines, "defaults", {}))
     for p in set_paths:
         out.overrides.setdefault(tuple(p), set_paths[p] if isinstance(set_paths, dict) else yamlsrc.dotted(p))
     return out

@@ -4,6 +4,7 @@ validate into a `Spec` with every problem reported at once; and the resolved dum
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,16 @@ from orchestrator.errors import SpecError, SpecIssue, UserError
 from orchestrator.spec import yamlsrc
 from orchestrator.spec.experiment import Spec
 from orchestrator.spec.issues import issues_from
+from orchestrator.spec.layers import Layer, layered
 
 
-def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple["Spec", dict[str, Any], dict]:
-    """Read, override and validate a spec file.
+def load_spec(path: str | Path, overrides: list[str] = (), defaults: Sequence[Layer] = ()) -> tuple["Spec", dict[str, Any], dict]:
+    """Read a spec file, lay it over the ``defaults`` files' layers (read by
+    ``defaults.read_layers``, lowest first), apply the overrides and validate.
 
-    Returns the validated Spec, the raw mapping (after overrides) and the line map
-    (which also records the overrides). Raises SpecError listing every problem.
+    Returns the validated Spec, the raw mapping (layered, after overrides) and the line
+    map (which also records the overrides and what each defaults file gave). Raises
+    SpecError listing every problem.
     """
     path = Path(path)
     source = str(path)
@@ -30,21 +34,23 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple["Spec", dict
         raise SpecError([SpecIssue("", 1, "the spec is empty; at least `name` and `steps` are required", source)])
     if not isinstance(raw, dict):
         raise SpecError([SpecIssue("", 1, f"the spec must be a mapping of fields, not a {type(raw).__name__}", source)])
+    if defaults:
+        raw, lines.defaults = layered(defaults, raw)
     apply_overrides(raw, overrides, lines)
     spec = validate(raw, lines, source)
     return spec, raw, lines
 
 
-def read_text(path: Path) -> str:
-    """The spec file's text, read no further than the size bound (a device or a huge
-    file is refused, not read to the end)."""
+def read_text(path: Path, what: str = "spec file") -> str:
+    """The spec file's (or a defaults file's) text, read no further than the size bound
+    (a device or a huge file is refused, not read to the end)."""
     try:
         with open(path, "rb") as f:
             data = f.read(yamlsrc.MAX_BYTES + 1)
     except FileNotFoundError:
-        raise UserError(f"spec file '{path}' does not exist") from None
+        raise UserError(f"{what} '{path}' does not exist") from None
     except OSError as exc:
-        raise UserError(f"cannot read spec file '{path}': {exc}") from None
+        raise UserError(f"cannot read {what} '{path}': {exc}") from None
     if len(data) > yamlsrc.MAX_BYTES:
         raise SpecError([SpecIssue("", None, f"the file is larger than {yamlsrc.MAX_BYTES} bytes (1 MiB); a spec is a "
                                    "short hand-written file: put data in files it names", str(path))])

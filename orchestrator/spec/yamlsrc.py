@@ -15,7 +15,7 @@ Numbers follow YAML 1.2 where YAML 1.1 surprises: `1e-3` is a float (not a strin
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from yaml.composer import Composer
@@ -165,12 +165,22 @@ else:  # pragma: no cover - PyYAML without libyaml
             self._bounds(max_depth)
 
 
+class Origin(NamedTuple):
+    """Where a value the spec file did not give came from: a defaults file and its line."""
+
+    layer: str  # "site" or "user"
+    file: str
+    line: int | None
+
+
 class LineMap(dict):
-    """Field path -> line in the file; ``overrides`` maps each `--set` path to its item."""
+    """Field path -> line in the file; ``overrides`` maps each `--set` path to its item,
+    ``defaults`` each path a defaults file gave (and the spec did not) to its Origin."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.overrides: dict[Path_, str] = {}
+        self.defaults: dict[Path_, Origin] = {}
 
 
 def load_with_lines(text: str, source: str, max_depth: int = MAX_DEPTH) -> tuple[Any, LineMap]:
@@ -281,7 +291,7 @@ def _walk(node: yaml.Node, path: Path_, lines: dict, issues: list, source: str) 
 
 def line_of(lines: dict[Path_, int], path: Path_) -> int | None:
     """Line of ``path``, or of its nearest ancestor present in the file; None where a
-    `--set` item wrote it."""
+    `--set` item wrote it. (A defaults file's values: ``default_of``.)"""
     path = tuple(path)
     if override_of(lines, path) is not None:
         return None
@@ -302,18 +312,36 @@ def override_of(lines: dict, path: Path_) -> str | None:
         common = 0
         while common < min(len(p), len(path)) and p[common] == path[common]:
             common += 1
-        if common and path[:common] not in lines:
+        if common and path[:common] not in lines and path[:common] not in getattr(lines, "defaults", {}):
             return item
     return None
 
 
+def default_of(lines: dict, path: Path_) -> Origin | None:
+    """The defaults file (and line) that gave ``path``'s value: the nearest of its
+    ancestors that either the spec file or a defaults file has decides; None: the spec."""
+    defaults = getattr(lines, "defaults", None)
+    path = tuple(path)
+    while defaults and path:
+        if path in lines:
+            return None
+        if path in defaults:
+            return defaults[path]
+        path = path[:-1]
+    return None
+
+
 def issue(lines: dict, path: Path_, message: str, source: str, field: str | None = None) -> SpecIssue:
-    """An issue about ``path``: at its line in ``source``, or on `--set` naming the item;
-    shown as about ``field`` where that differs (a sweep task's field, found at its entry)."""
+    """An issue about ``path``: at its line in ``source`` (or in the defaults file that
+    gave the value), or on `--set` naming the item; shown as about ``field`` where that
+    differs (a sweep task's field, found at its entry)."""
     field = dotted(path) if field is None else field
     item = override_of(lines, path)
     if item is not None:
         return SpecIssue(field, None, f"{message} (from --set {shorten(item)})", "--set")
+    origin = default_of(lines, path)
+    if origin is not None:
+        return SpecIssue(field, origin.line, f"{message} (a {origin.layer} default)", origin.file)
     return SpecIssue(field, line_of(lines, path), message, source)
 
 

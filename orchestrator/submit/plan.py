@@ -37,6 +37,8 @@ class Plan:
     max_parallel: int | None
     spec: Spec
     tasks: list[PlannedTask] = field(default_factory=list)
+    # the defaults files under the spec and where each value came from (``layers.explain``)
+    sources: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         r = self.resources

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -13,7 +14,8 @@ from orchestrator.contract import perms
 from orchestrator.errors import SpecError, SpecIssue, UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
-from orchestrator.spec import yamlsrc
+from orchestrator.spec import defaults, yamlsrc
+from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
 from orchestrator.submit import preflight
@@ -23,7 +25,8 @@ from orchestrator.submit.plan import Plan, build_plan
 def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
     """The validated spec as a plan of tasks, its model folder and data files checked
     (``preflight``); writes nothing."""
-    spec, raw, lines = load_spec(spec_path, overrides)
+    layers = defaults.read_layers(home)
+    spec, raw, lines = load_spec(spec_path, overrides, layers)
     here = Path(spec_path).resolve().parent
     if spec.model.kind == "script":  # the compute nodes need its absolute path
         script = _local_path(here, spec.model.script)
@@ -49,6 +52,8 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         spec_path=str(Path(spec_path).resolve()),
         workdir=workdir.resolve(),
     )
+    sources = {"layers": [layer.describe() for layer in layers], "values": explain(raw, lines, str(spec_path))}
+    plan = dataclasses.replace(plan, sources=sources)
     try:
         preflight.check(plan, lines, str(spec_path))  # the model folder and data files, before anything is queued
     except preflight.PreflightError as exc:
@@ -114,6 +119,7 @@ def write_run_folder(plan: Plan) -> None:
     except OSError as exc:
         raise UserError(f"cannot create the run folder '{plan.run_dir}': {exc}; check `workdir`") from None
     contract.atomic_write_text(plan.run_dir / contract.SPEC_RESOLVED, dump_resolved(plan.spec))
+    contract.atomic_write_json(plan.run_dir / contract.SPEC_SOURCES, plan.sources)
     for t in plan.tasks:
         config = t.config.to_dict()
         contract.atomic_write_json(contract.task_config_path(t.task_dir), config)
