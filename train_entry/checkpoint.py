@@ -100,10 +100,18 @@ def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
     return out
 
 
-def _gather(obj):
+def gather(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def clear_tmp(tmp: Path) -> None:
+    """Remove what an earlier, unfinished save of this step left (a link: the link, never what it points to)."""
+    if tmp.is_symlink():
+        tmp.unlink()
+    elif tmp.exists():
+        shutil.rmtree(tmp)
 
 
 class Checkpointer:
@@ -135,10 +143,7 @@ class Checkpointer:
         """Collective: an empty folder for the shards of step ``step`` (not yet a checkpoint)."""
         tmp = contract.checkpoint_tmp(self.task_dir, step)
         if self.rank == 0:
-            if tmp.is_symlink():
-                tmp.unlink()  # the link, never what it points to
-            elif tmp.exists():
-                shutil.rmtree(tmp)
+            clear_tmp(tmp)
             (tmp / RNG_DIR).mkdir(parents=True)
             for name, record in self.extras.items():
                 contract.atomic_write_json(tmp / name, record)
@@ -202,7 +207,7 @@ class Checkpointer:
         names = _files(tmp) if self.rank == 0 else None
         box = [names]
         dist.broadcast_object_list(box, src=0)
-        shares = _gather(_hash_share(tmp, box[0], self.rank, self.world))
+        shares = gather(_hash_share(tmp, box[0], self.rank, self.world))
         final = None
         if self.rank == 0:
             files = {k: v for share in shares for k, v in share.items()}
@@ -260,7 +265,7 @@ class Checkpointer:
         """Collective: the first problem any rank found. Rank 0 checks the manifest and every
         file's size; each rank hashes its share (sha256) and loads its share of the files our
         loaders unpickle with the allow-lists."""
-        problems = [p for p in _gather(self._verify_share(folder)) if p]
+        problems = [p for p in gather(self._verify_share(folder)) if p]
         return problems[0] if problems else None
 
     def _verify_share(self, folder: Path) -> str | None:

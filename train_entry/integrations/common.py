@@ -14,7 +14,7 @@ from orchestrator import contract
 from orchestrator.contract import ExitCode
 
 from train_entry import fingerprint, safeload
-from train_entry.checkpoint import Resume
+from train_entry.checkpoint import Resume, clear_tmp, gather
 
 # DeepSpeed unpickles its files with weights_only=False (the Trainer and Accelerate load
 # theirs with weights_only=True): every such file passes the allow-lists first
@@ -31,14 +31,6 @@ def ensure_process_group() -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _gather(obj):
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _pickle_problem(folder: Path, rank: int, world: int) -> str | None:
     """Collective: the first file a library would unpickle unsafely that the allow-lists refuse."""
     try:
@@ -47,7 +39,7 @@ def _pickle_problem(folder: Path, rank: int, world: int) -> str | None:
         names, mine = [], str(exc)
     else:
         mine = safeload.first_problem(folder, names[rank::world])
-    problems = [p for p in _gather(mine) if p]
+    problems = [p for p in gather(mine) if p]
     return problems[0] if problems else None
 
 
@@ -85,10 +77,7 @@ def commit_saved(run, step: int, src: Path | None, model, meta: dict) -> Path:
     dist.barrier()  # every rank's files are written before rank 0 moves them
     if src is not None and run.rank == 0:
         tmp = contract.checkpoint_tmp(run.task_dir, step)
-        if tmp.is_symlink():
-            tmp.unlink()  # the link, never what it points to
-        elif tmp.exists():
-            shutil.rmtree(tmp)
+        clear_tmp(tmp)
         tmp.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(src), str(tmp))  # a rename on one filesystem
     meta = {**meta, "fingerprint": fingerprint.compute(model), "launch": run.ctx.launch}
