@@ -54,10 +54,14 @@ def reference_loss(tmp_path_factory):
 class WatcherProc:
     """`orchestrate watch EXP` as a user runs it, in its own process."""
 
+    started = 0
+
     def __init__(self, home, exp_id, env=None):
         self.home, self.exp_id = home, exp_id
         env = {**os.environ, "ORCHESTRATE_HOME": str(home), **(env or {})}
-        self.log = open(home / f"watch-{time.time():.0f}.log", "w")
+        # a counter, not the time: two watchers started in one second must not share a log
+        WatcherProc.started += 1
+        self.log = open(home / f"watch-{WatcherProc.started}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator", "watch", exp_id, "--interval", "1"],
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
