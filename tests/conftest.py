@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -115,3 +116,32 @@ def tiny_model(tmp_path_factory) -> Path:
     import tiny
 
     return tiny.make_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+class WatcherProc:
+    """`orchestrate watch EXP` as a user runs it, in its own process."""
+
+    started = 0
+
+    def __init__(self, home, exp_id, env=None):
+        self.home, self.exp_id = home, exp_id
+        env = {**os.environ, "ORCHESTRATE_HOME": str(home), **(env or {})}
+        # a counter, not the time: two watchers started in one second must not share a log
+        WatcherProc.started += 1
+        self.log = open(home / f"watch-{WatcherProc.started}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "watch", exp_id, "--interval", "1"],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.log.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()

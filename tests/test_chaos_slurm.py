@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SESSION_START, REPO, cli, slurm_run, status_json, submit, write
+from conftest import SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -49,35 +49,6 @@ def reference_loss(tmp_path_factory):
               "--wait", "--json", home=tmp / "home", timeout=400)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)["experiments"][0]["tasks"][0]["loss"]
-
-
-class WatcherProc:
-    """`orchestrate watch EXP` as a user runs it, in its own process."""
-
-    started = 0
-
-    def __init__(self, home, exp_id, env=None):
-        self.home, self.exp_id = home, exp_id
-        env = {**os.environ, "ORCHESTRATE_HOME": str(home), **(env or {})}
-        # a counter, not the time: two watchers started in one second must not share a log
-        WatcherProc.started += 1
-        self.log = open(home / f"watch-{WatcherProc.started}.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator", "watch", exp_id, "--interval", "1"],
-            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-        )
-
-    def wait(self, timeout):
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.log.close()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
 
 
 @pytest.fixture

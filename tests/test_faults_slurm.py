@@ -2,13 +2,11 @@
 is requeued, resumes from that checkpoint, and ends as if nothing had happened."""
 
 import json
-import subprocess
-import threading
 import time
 
 import pytest
 
-from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
+from conftest import SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -27,33 +25,19 @@ resources: {resources}
 """
 
 
-class ReleaseRequeued(threading.Thread):
-    """SLURM holds a requeued job for ~120 s (BeginTime); the test lets it start at once,
-    once the old run's steps are gone."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.stop = threading.Event()
-        self.released = 0
-
-    def run(self):
-        while not self.stop.is_set():
-            out = subprocess.run(["squeue", "-h", "--me", "-o", "%i|%r"], capture_output=True, text=True, timeout=30).stdout
-            for line in out.splitlines():
-                job, _, reason = line.partition("|")
-                if reason == "BeginTime":
-                    time.sleep(3)
-                    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True, timeout=30)
-                    self.released += 1
-            self.stop.wait(1)
-
-
 @pytest.fixture
-def release():
-    t = ReleaseRequeued()
-    t.start()
-    yield t
-    t.stop.set()
+def watcher(home):
+    """`orchestrate watch` for the test's experiment, as a user runs it: it releases SLURM's
+    ~120 s hold on a job requeued after a save (retry.release_hold), so nothing else may."""
+    started = []
+
+    def start(exp_id):
+        started.append(WatcherProc(home, exp_id))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.stop()
 
 
 def metrics(task_dir):
@@ -61,10 +45,11 @@ def metrics(task_dir):
     return rows
 
 
-def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, release):
+def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher):
     four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, time: '00:10:00'}"
     spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=160, signal_before=120, resources=four_nodes))
     exp_id = submit(home, str(spec), "--executor", "slurm")
+    watcher(exp_id)
     run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
     tdir = contract.task_dir(run_dir, 0)
     deadline = time.time() + 120
@@ -97,12 +82,20 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
     assert second == first + 1, (first, second)
     resumed = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.resumed"]
     assert resumed and resumed[0].startswith(f"resumed from step {first} "), resumed
+    # the watcher let the requeued job start at once instead of SLURM's ~120 s hold (BeginTime)
+    released = [e for e in ledger.events(exp_id) if e["kind"] == "recovery.hold_released"]
+    assert len(released) == 1 and released[0]["attempt"] == 1, released
+    saved = contract.read_json(contract.requeue_path(contract.launch_dir(tdir, f"{job}.0")))["time"]
+    back = min(m["time"] for m in rows if m["launch"] == f"{job}.1")
+    print(f"preemption: back to training {back - saved:.1f} s after the save")
+    assert back - saved < 100, f"the resumed run started {back - saved:.0f} s after the save: SLURM's hold was not released"
 
 
-def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, home, tmp_path, release):
+def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, home, tmp_path, watcher):
     one_node = "{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: '00:02:00'}"
     spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=16000, signal_before=60, resources=one_node))
     exp_id = submit(home, str(spec), "--executor", "slurm")
+    watcher(exp_id)
     exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 580)
     assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 16000, exp
     ledger = Ledger.open(home / "ledger.db")

@@ -125,3 +125,18 @@ def test_one_watcher_holds_an_experiments_lease_until_it_expires_and_actions_are
     [a] = ledger.actions("e1", 0)
     assert a["state"] == "DONE" and a["detail"] == {"exclude": [], "new_job_id": "9"}
     assert [e["kind"] for e in ledger.events("e1")][-2:] == ["recovery.requeue", "recovery.requeue.done"]
+
+
+def test_only_a_job_requeued_after_a_save_and_held_until_its_begin_time_is_released():
+    from orchestrator.scheduler.base import Observation
+    from orchestrator.states import AttemptState as A
+
+    saved = {"state": "REQUEUED", "failure": "preemption"}
+    held = Observation("7", A.PENDING, reason="BeginTime")
+    assert recovery.hold_to_release(saved, held, Retry())
+    assert not recovery.hold_to_release(saved, held, Retry(release_hold=False))  # the site forbids it
+    assert not recovery.hold_to_release(saved, Observation("7", A.PENDING, reason="Priority"), Retry())  # queued, not held
+    assert not recovery.hold_to_release(saved, Observation("7", A.RUNNING), Retry())
+    assert not recovery.hold_to_release(saved, None, Retry())
+    # a failure's recovery has its own delay (the backoff), set by release: not undone here
+    assert not recovery.hold_to_release({"state": "NODE_FAIL", "failure": "node_failure"}, held, Retry())

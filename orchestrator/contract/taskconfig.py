@@ -93,6 +93,7 @@ class Retry:
     backoff_s: float = 30.0
     backoff_max_s: float = 600.0
     exclude_failed_nodes: bool = True
+    release_hold: bool = True
 
 
 @dataclass(frozen=True)

@@ -276,6 +276,11 @@ class Retry(Strict):
     )
     backoff_max_s: float = Field(600.0, ge=0, le=DAY_S, strict=True, description="Upper bound of that delay.")
     exclude_failed_nodes: bool = Field(True, description="Keep a recovered task off the nodes that failed under it.")
+    release_hold: bool = Field(
+        True,
+        description="SLURM holds every requeued job about 120 s (its BeginTime); after a requeue that followed a "
+        "committed save (preemption, time limit) the watcher lets the job start at once. Off where a site forbids it.",
+    )
 
 
 class Heartbeat(Strict):

@@ -13,7 +13,7 @@ import tenacity
 
 from orchestrator.contract import FailureKind, Phase, TextEnum
 from orchestrator.contract.taskconfig import Heartbeat, Retry
-from orchestrator.scheduler.base import Capabilities
+from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.states import AttemptState
 
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
@@ -104,6 +104,19 @@ def backoff_s(recovery_number: int, initial: float, maximum: float) -> float:
     state.attempt_number = max(1, recovery_number)
     wait = tenacity.wait_exponential(multiplier=initial, max=maximum) + tenacity.wait_random(0, initial / 4)
     return float(min(maximum, wait(state)))
+
+
+def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry) -> bool:
+    """SLURM holds a requeued job until its BeginTime (about 120 s after the requeue). After a
+    requeue that followed a committed save there is nothing to wait for: the watcher lets it
+    start at once. A recovery's own delay (the backoff) is set by ``release`` instead."""
+    return (
+        retry.release_hold
+        and attempt.get("state") == AttemptState.REQUEUED.value
+        and obs is not None
+        and obs.state == AttemptState.PENDING
+        and obs.reason == "BeginTime"
+    )
 
 
 def unhealthy_nodes(node_states: dict[str, str]) -> set[str]:

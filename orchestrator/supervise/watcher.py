@@ -55,6 +55,7 @@ class Watcher:
         self.clock = clock
         self._refused: set[str] = set()
         self._unreachable: set[str] = set()  # experiments told that the scheduler does not answer
+        self._hold_refused: set[tuple] = set()  # requeued jobs whose hold SLURM would not let us release
 
     def scheduler(self, name: str):
         if name not in self.schedulers:
@@ -94,6 +95,8 @@ class Watcher:
                 try:
                     self._finish_planned(exp, task, attempts, observations)
                     self._check_hang(exp, task, attempt, cfg)
+                    if observations is not None:
+                        self._release_hold(exp, task, attempt, cfg, observations.get(attempt["job_id"]))
                     if task["state"] == TaskState.RECOVERING.value and observations is not None:
                         if node_states is None:
                             node_states = self._node_states(exp["executor"])
@@ -170,6 +173,28 @@ class Watcher:
         if contract.create_exclusive_json(contract.generation_end_path(ldir, hang.generation), record):
             what = "the agents dump every rank's stacks, then restart in place" if record["action"] == GenerationAction.RESTART else "the agents dump every rank's stacks, then stop the launch"
             self.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
+
+    # ------------------------------------------------------------ requeued jobs
+
+    def _release_hold(self, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, obs) -> None:
+        """A job requeued after a committed save waits for nothing: let it start now."""
+        key = (exp["id"], attempt["job_id"], attempt["number"])
+        if key in self._hold_refused or not recovery.hold_to_release(attempt, obs, cfg.retry):
+            return
+        sched = self.scheduler(exp["executor"])
+        try:
+            sched.release(attempt["job_id"], [], 0)
+        except SchedulerError as exc:
+            if getattr(exc, "transient", True):
+                raise  # the next cycle tries again
+            self._hold_refused.add(key)  # the site does not let users change it: SLURM's hold stands
+            self.ledger.event(exp["id"], "recovery.hold_kept", f"SLURM refused to release job {attempt['job_id']}'s hold "
+                              f"({cut(str(exc), 200)}); it starts at its BeginTime", idx=task["idx"], attempt=attempt["number"])
+            return
+        cause = (f"job {attempt['job_id']} was requeued after a committed save and held by SLURM until its BeginTime; "
+                 "released to start at once (retry.release_hold)")
+        if not self.ledger.has_event(exp["id"], "recovery.hold_released", cause, idx=task["idx"]):
+            self.ledger.event(exp["id"], "recovery.hold_released", cause, idx=task["idx"], attempt=attempt["number"])
 
     # ------------------------------------------------------------ failed attempts
 
