@@ -141,6 +141,36 @@ def test_a_hung_rank_is_detected_its_stacks_saved_and_the_run_recovered(slurm, h
         print(f"\n[chaos] SIGSTOP of rank 1 -> hang detected after {hang['time'] - stopped_at:.1f} s (timeout 4 s, watcher cycle 1 s)")
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_hung_agents_that_do_not_answer_are_escalated_to_a_requeue_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys):
+    exp_id, tdir = start(home, tmp_path, watchers, "hungagents", timeout=", timeout_s: 4")
+    wait_for_step(tdir, 250)
+    ranks = [heartbeat(tdir, r)["pid"] for r in (0, 1)]
+    agents = [parent_pid(p) for p in ranks]
+    for pid in agents + ranks:  # every node agent and every rank: nobody is left to act on a hang record
+        os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    exp, ledger = finish(home, exp_id, watchers[-1])
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    first, second = ledger.attempts(exp_id, 0)
+    assert first["state"] == "FAILED" and first["failure"] == "hang", first
+    assert "the node agents did not answer" in first["reason"] and "2 of 2 node(s) silent" in first["reason"], first
+    assert second["state"] == "COMPLETED" and second["job_id"] == first["job_id"], second  # requeued under its id
+    [action] = ledger.actions(exp_id, 0)
+    assert action["kind"] == "requeue" and action["state"] == "DONE", action
+    order = [k for k in kinds(ledger, exp_id) if k in ("hang.detected", "hang.escalated", "recovery.requeue.done", "checkpoint.resumed")]
+    assert order == ["hang.detected", "hang.escalated", "recovery.requeue.done", "checkpoint.resumed"], order
+    escalated = next(e for e in ledger.events(exp_id) if e["kind"] == "hang.escalated")
+    resumed = min(m["time"] for m in metrics(tdir) if m["launch"] == second["launch"])
+    with capsys.disabled():
+        print(f"\n[chaos] SIGSTOP of both agents and their ranks -> escalated after {escalated['time'] - stopped_at:.1f} s, "
+              f"training again after {resumed - stopped_at:.1f} s (hang timeout 4 s, agents' deadline 60 s)")
+
+
 def test_a_node_set_down_is_excluded_and_the_task_requeued_on_other_nodes(slurm, home, tmp_path, watchers, reference_loss):
     exp_id, tdir = start(home, tmp_path, watchers, "nodedown")
     watchers.append(WatcherProc(home, exp_id))  # a second watcher at once: only the lease holder acts

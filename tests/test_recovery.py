@@ -133,10 +133,26 @@ def test_only_a_job_requeued_after_a_save_and_held_until_its_begin_time_is_relea
 
     saved = {"state": "REQUEUED", "failure": "preemption"}
     held = Observation("7", A.PENDING, reason="BeginTime")
-    assert recovery.hold_to_release(saved, held, Retry())
-    assert not recovery.hold_to_release(saved, held, Retry(release_hold=False))  # the site forbids it
-    assert not recovery.hold_to_release(saved, Observation("7", A.PENDING, reason="Priority"), Retry())  # queued, not held
-    assert not recovery.hold_to_release(saved, Observation("7", A.RUNNING), Retry())
-    assert not recovery.hold_to_release(saved, None, Retry())
-    # a failure's recovery has its own delay (the backoff), set by release: not undone here
-    assert not recovery.hold_to_release({"state": "NODE_FAIL", "failure": "node_failure"}, held, Retry())
+    assert recovery.hold_to_release(saved, held, Retry(), None, 100.0)
+    assert not recovery.hold_to_release(saved, held, Retry(release_hold=False), None, 100.0)  # the site forbids it
+    assert not recovery.hold_to_release(saved, Observation("7", A.PENDING, reason="Priority"), Retry(), None, 100.0)  # queued, not held
+    assert not recovery.hold_to_release(saved, Observation("7", A.RUNNING), Retry(), None, 100.0)
+    assert not recovery.hold_to_release(saved, None, Retry(), None, 100.0)
+    # a failure's recovery has its own delay (the backoff): released only once that is over
+    failed = {"state": "FAILED", "failure": "hang"}
+    requeued = {"kind": "requeue", "state": "DONE", "done_at": 100.0, "detail": {"delay_s": 12}}
+    assert not recovery.hold_to_release(failed, held, Retry(), None, 200.0)  # no recovery of ours: not ours to release
+    assert not recovery.hold_to_release(failed, held, Retry(), {**requeued, "state": "PLANNED"}, 200.0)
+    assert not recovery.hold_to_release(failed, held, Retry(), requeued, 111.0)
+    assert recovery.hold_to_release(failed, held, Retry(), requeued, 112.0)
+    assert not recovery.hold_to_release(failed, held, Retry(), {**requeued, "kind": "resubmit"}, 200.0)  # a new job: --begin is ours
+
+
+def test_agents_that_do_not_answer_an_end_record_are_escalated_after_their_deadlines():
+    A, B = recovery.AGENT_ANSWER_S, recovery.STOP_BARRIER_S
+    assert recovery.unanswered_for(0.0, 0, 2, A - 1) is None
+    assert recovery.unanswered_for(0.0, 0, 2, A + 1) == A + 1  # nobody answered
+    assert recovery.unanswered_for(0.0, 2, 2, 10 * A) is None  # everyone stopped their ranks
+    # one node answered: its agent ends the launch itself after the stop barrier, naming the silent one
+    assert recovery.unanswered_for(0.0, 1, 2, A + 1) is None
+    assert recovery.unanswered_for(0.0, 1, 2, A + B + 1) == A + B + 1

@@ -30,6 +30,9 @@ class GenerationAction(TextEnum):
     STOP = "stop"  # end the launch and let the login side decide
 
 
+STOP_BARRIER_S = 90.0  # for every node to stop its ranks before a restart in place (the agents wait this long)
+
+
 def generation_end(
     kind: FailureKind,
     cause: str,

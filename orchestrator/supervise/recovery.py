@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import tenacity
 
 from orchestrator.contract import FailureKind, Phase, TextEnum
+from orchestrator.contract.generations import STOP_BARRIER_S
 from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.states import AttemptState
@@ -106,17 +107,36 @@ def backoff_s(recovery_number: int, initial: float, maximum: float) -> float:
     return float(min(maximum, wait(state)))
 
 
-def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry) -> bool:
+def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry, action: dict | None, now: float) -> bool:
     """SLURM holds a requeued job until its BeginTime (about 120 s after the requeue). After a
     requeue that followed a committed save there is nothing to wait for: the watcher lets it
-    start at once. A recovery's own delay (the backoff) is set by ``release`` instead."""
-    return (
-        retry.release_hold
-        and attempt.get("state") == AttemptState.REQUEUED.value
-        and obs is not None
-        and obs.state == AttemptState.PENDING
-        and obs.reason == "BeginTime"
-    )
+    start at once. After a recovery's requeue, once its own delay (the backoff) is over:
+    a running job requeued by the watcher gets SLURM's hold only when it has ended, after
+    the watcher set the backoff."""
+    if not (retry.release_hold and obs is not None and obs.state == AttemptState.PENDING and obs.reason == "BeginTime"):
+        return False
+    if attempt.get("state") == AttemptState.REQUEUED.value:
+        return True
+    if action is not None and action.get("state") == "DONE" and action.get("kind") in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
+        return now >= (action.get("done_at") or 0) + float((action.get("detail") or {}).get("delay_s") or 0)
+    return False
+
+
+# ---------------------------------------------------------------- agents that do not answer
+
+AGENT_ANSWER_S = 60.0  # the agents stop (or dump and stop) their ranks within seconds of an end record
+
+
+def unanswered_for(asked_at: float, stopped: int, nodes: int, now: float) -> float | None:
+    """How long a generation's end record has gone unanswered, once that is past the
+    agents' deadline (None: they answered, or may still). When some nodes stopped their
+    ranks, the others get the agents' own stop barrier first: past it, the nodes that
+    answered end the launch themselves and name the unresponsive ones."""
+    if stopped >= nodes:
+        return None
+    deadline = AGENT_ANSWER_S if stopped == 0 else STOP_BARRIER_S + AGENT_ANSWER_S
+    age = now - asked_at
+    return age if age > deadline else None
 
 
 def unhealthy_nodes(node_states: dict[str, str]) -> set[str]:

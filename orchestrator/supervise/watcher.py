@@ -28,8 +28,9 @@ from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import get_scheduler
-from orchestrator.supervise import recovery, refresh
-from orchestrator.supervise.launches import read_generation_ends, read_launches
+from orchestrator.contract import records
+from orchestrator.supervise import badrecords, recovery, refresh
+from orchestrator.supervise.launches import read_generation_ends, read_launch, read_launches
 from orchestrator.supervise.recovery import RecoveryKind
 from orchestrator.states import ActionState, AttemptState, TaskState
 
@@ -156,7 +157,8 @@ class Watcher:
             return
         ldir = contract.launch_dir(task["task_dir"], attempt["launch"])
         if contract.generation_end_path(ldir, hang.generation).exists():
-            return  # already being restarted (or stopped) by the agents
+            self._escalate_unanswered(exp, task, attempt, ldir, hang.generation)  # the agents are on it, unless they are hung too
+            return
         history = read_generation_ends(ldir)[: hang.generation]
         record = contract.generation_end(
             FailureKind.HANG,
@@ -174,12 +176,35 @@ class Watcher:
             what = "the agents dump every rank's stacks, then restart in place" if record["action"] == GenerationAction.RESTART else "the agents dump every rank's stacks, then stop the launch"
             self.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
 
+    def _escalate_unanswered(self, exp: dict, task: dict, attempt: dict, ldir: Path, generation: int) -> None:
+        """Agents that do not answer an end record (stopped, or hung with their ranks) can
+        restart nothing: the attempt failed with a hang, and the recovery goes through SLURM
+        (``scontrol requeue`` of the running job, which kills whatever is left of it)."""
+        problems: list = []
+        record = badrecords.read(contract.generation_end_path(ldir, generation), records.GENERATION_END, problems)
+        launch = read_launch(ldir, problems)
+        if record is None or launch is None or launch.node_records:
+            return  # unreadable (refresh reports it), or an agent is ending the launch itself
+        nodes = max(1, len(launch.nodes))
+        stopped = sum(contract.generation_stopped_path(ldir, generation, n).exists() for n in range(nodes))
+        age = recovery.unanswered_for(record["time"], stopped, nodes, self.clock())
+        if age is None:
+            return
+        cause = (f"{record['cause']}; the node agents did not answer within {age:.0f} s "
+                 f"({nodes - stopped} of {nodes} node(s) silent): the attempt is recovered through SLURM")
+        with self.ledger.tx():
+            if self.ledger.update_attempt(exp["id"], task["idx"], attempt["number"], cause, state=AttemptState.FAILED.value,
+                                          failure=FailureKind.HANG.value, reason=cut(cause, 500), ended_at=self.clock()):
+                self.ledger.set_task_state(exp["id"], task["idx"], TaskState.RECOVERING, cause)
+                self.ledger.event(exp["id"], "hang.escalated", cause, idx=task["idx"], attempt=attempt["number"])
+
     # ------------------------------------------------------------ requeued jobs
 
     def _release_hold(self, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, obs) -> None:
         """A job requeued after a committed save waits for nothing: let it start now."""
         key = (exp["id"], attempt["job_id"], attempt["number"])
-        if key in self._hold_refused or not recovery.hold_to_release(attempt, obs, cfg.retry):
+        action = next((a for a in self.ledger.actions(exp["id"], task["idx"]) if a["attempt"] == attempt["number"]), None)
+        if key in self._hold_refused or not recovery.hold_to_release(attempt, obs, cfg.retry, action, self.clock()):
             return
         sched = self.scheduler(exp["executor"])
         try:
@@ -191,7 +216,8 @@ class Watcher:
             self.ledger.event(exp["id"], "recovery.hold_kept", f"SLURM refused to release job {attempt['job_id']}'s hold "
                               f"({cut(str(exc), 200)}); it starts at its BeginTime", idx=task["idx"], attempt=attempt["number"])
             return
-        cause = (f"job {attempt['job_id']} was requeued after a committed save and held by SLURM until its BeginTime; "
+        after = "a committed save" if action is None else f"its recovery ({action['kind']})"
+        cause = (f"job {attempt['job_id']} was requeued after {after} and held by SLURM until its BeginTime; "
                  "released to start at once (retry.release_hold)")
         if not self.ledger.has_event(exp["id"], "recovery.hold_released", cause, idx=task["idx"]):
             self.ledger.event(exp["id"], "recovery.hold_released", cause, idx=task["idx"], attempt=attempt["number"])

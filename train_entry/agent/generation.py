@@ -17,6 +17,7 @@ from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.contract import ExitCode, FailureKind, envvars
+from orchestrator.contract.generations import STOP_BARRIER_S  # for every node to stop its ranks before a restart
 from orchestrator.contract.trackers import tracker_env
 
 from train_entry.agent.liveness import Liveness
@@ -25,7 +26,6 @@ from train_entry.env import NodeContext
 TERM_GRACE_S = 10.0
 EXTERNAL_KILL_S = 1.0
 DUMP_WAIT_S = 3.0  # for every rank to write its stacks
-STOP_BARRIER_S = 90.0  # for every node to stop its ranks before a restart
 ROOT_CAUSE_HEADSTART_S = 2.0  # a rank that lost its peer waits this long before speaking for the launch
 STOPPING = (signal.SIGTERM, signal.SIGINT)
 
