@@ -145,3 +145,18 @@ class WatcherProc:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(30)
         self.log.close()
+
+
+@pytest.fixture
+def watcher(home):
+    """`orchestrate watch` for the test's experiment, as a user runs it: it releases SLURM's
+    ~120 s hold on a job requeued after a save (retry.release_hold), so nothing else may."""
+    started = []
+
+    def start(exp_id):
+        started.append(WatcherProc(home, exp_id))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.stop()

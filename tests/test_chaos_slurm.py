@@ -141,6 +141,29 @@ def test_a_hung_rank_is_detected_its_stacks_saved_and_the_run_recovered(slurm, h
         print(f"\n[chaos] SIGSTOP of rank 1 -> hang detected after {hang['time'] - stopped_at:.1f} s (timeout 4 s, watcher cycle 1 s)")
 
 
+def test_a_save_stalled_on_one_rank_is_caught_within_the_heartbeat_timeout_and_restarted(slurm, home, tmp_path, watchers, reference_loss, capsys):
+    # the save of step 300 stalls for good on rank 1 (a hung filesystem), in the first generation only
+    spec = write(tmp_path / "stall.yaml", spec_text("stall", timeout=", timeout_s: 4") + "env: {ORCHESTRATE_FAULT_STALL_SAVE: '300'}\n")
+    exp_id = submit(home, str(spec), "--executor", "slurm")
+    watchers.append(WatcherProc(home, exp_id))
+    tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
+    wait_for_step(tdir, 300)
+    exp, ledger = finish(home, exp_id, watchers[-1])
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == reference_loss, (exp, reference_loss)
+    [hang] = [e for e in ledger.events(exp_id) if e["kind"] == "hang.detected"]
+    assert "in phase 'writing' after step 300" in hang["cause"] and "timeout 4 s" in hang["cause"], hang
+    [attempt] = ledger.attempts(exp_id, 0)  # restarted in place, from the checkpoint before the stalled one
+    assert attempt["restarts"] == 1 and attempt["state"] == "COMPLETED", attempt
+    resumed = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.resumed"]
+    assert resumed and resumed[0].startswith("resumed from step 200 "), resumed
+    # caught within the training timeout, not heartbeat.save_timeout_s (30 min): from the stalled save's last beat
+    stalled_at = max(m["time"] for m in metrics(tdir) if m["step"] == 300 and m.get("generation", 0) == 0)
+    with capsys.disabled():
+        print(f"\n[chaos] a save stalled on rank 1 -> hang detected {hang['time'] - stalled_at:.1f} s after its step "
+              "(timeout 4 s, save_timeout_s 1800 s)")
+    assert hang["time"] - stalled_at < 60, hang["time"] - stalled_at
+
+
 def parent_pid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as fh:
         return int(fh.read().rsplit(")", 1)[1].split()[1])

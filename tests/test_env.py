@@ -43,6 +43,9 @@ def test_rendezvous_falls_back_to_slurm_node_addr():
     assert addr == "127.0.0.9"
     with pytest.raises(RuntimeError, match="n2"):
         env.rendezvous(ctx, resolve=unresolvable, node_addr=lambda n: None)
+    # no scontrol on the node (a container): the address srun was started from, the batch script's node
+    ctx = env.node_context({**SLURM, "SLURM_LAUNCH_NODE_IPADDR": "10.9.8.7"})
+    assert env.rendezvous(ctx, resolve=unresolvable, node_addr=lambda n: None)[0] == "10.9.8.7"
 
 
 def task_config(**sections) -> contract.TaskConfig:

@@ -2,11 +2,13 @@
 is requeued, resumes from that checkpoint, and ends as if nothing had happened."""
 
 import json
+import os
+import sys
 import time
 
 import pytest
 
-from conftest import SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, wait_experiment, write
+from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -25,28 +27,20 @@ resources: {resources}
 """
 
 
-@pytest.fixture
-def watcher(home):
-    """`orchestrate watch` for the test's experiment, as a user runs it: it releases SLURM's
-    ~120 s hold on a job requeued after a save (retry.release_hold), so nothing else may."""
-    started = []
-
-    def start(exp_id):
-        started.append(WatcherProc(home, exp_id))
-        return started[-1]
-
-    yield start
-    for w in started:
-        w.stop()
-
-
 def metrics(task_dir):
     rows, _ = contract.read_jsonl_from(contract.metrics_path(task_dir), 0)
     return rows
 
 
-def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher):
-    four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, time: '00:10:00'}"
+# the job's PATH without scontrol, as in a container without SLURM's client (srun stays: the batch script needs it)
+NO_SCONTROL = ("setup: ['nos=$(mktemp -d -t orchestrate-noscontrol.XXXXXX)', 'ln -s \"$(command -v srun)\" \"$nos/srun\"', "
+               f"'export PATH=\"$nos:{os.path.dirname(sys.executable)}\"'], ")
+
+
+@pytest.mark.parametrize("node_has_scontrol", [True, False], ids=["scontrol", "no-scontrol"])
+def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher, node_has_scontrol):
+    setup = "" if node_has_scontrol else NO_SCONTROL
+    four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, " + setup + "time: '00:10:00'}"
     spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=160, signal_before=120, resources=four_nodes))
     exp_id = submit(home, str(spec), "--executor", "slurm")
     watcher(exp_id)
@@ -68,12 +62,20 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
 
     job = exp["tasks"][0]["job_id"]
     runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
-    # requeued by node 0's agent once saved, not at the end of the grace time: SLURM says REQUEUED, the ledger why
-    assert runs[-2:] == ["REQUEUED", "COMPLETED"], runs
     ledger = Ledger.open(home / "ledger.db")
     attempts = ledger.attempts(exp_id, 0)
     assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
-    assert "(preempted); requeued by the node agent" in attempts[0]["reason"], attempts[0]["reason"]
+    if node_has_scontrol:
+        # requeued by node 0's agent once saved, not at the end of the grace time: SLURM says REQUEUED, the ledger why
+        assert runs[-2:] == ["REQUEUED", "COMPLETED"], runs
+        assert "(preempted); requeued by the node agent" in attempts[0]["reason"], attempts[0]["reason"]
+        assert ledger.actions(exp_id, 0) == []
+    else:
+        # the node could not run scontrol: its agent said so, the job ended, and the watcher requeued it under its id
+        assert runs[-1] == "COMPLETED", runs
+        assert "scontrol is not on this node's PATH" in attempts[0]["reason"] and "requeued by the watcher" in attempts[0]["reason"], attempts[0]
+        [action] = ledger.actions(exp_id, 0)
+        assert action["kind"] == "requeue_saved" and action["state"] == "DONE", action
     assert [a["launch"] for a in attempts] == [f"{job}.0", f"{job}.1"]
     # no step after the signal was lost: the resumed launch starts where the first one stopped
     rows = metrics(tdir)

@@ -27,3 +27,37 @@ def test_a_new_phase_is_written_at_once_and_the_same_phase_only_every_interval(t
     now[0] += 10
     hb.beat(9, "train")
     assert written() == (9, "train")
+
+
+def test_a_save_beats_only_while_it_advances_and_a_stalled_one_gets_the_training_timeout(tmp_path):
+    import time
+
+    from orchestrator.contract.taskconfig import Heartbeat as HbConfig
+    from orchestrator.supervise.recovery import find_hang
+    from train_entry.save_progress import SaveProgress
+
+    class Beats:
+        def __init__(self):
+            self.beats = []
+
+        def beat(self, step, phase, force=False):
+            self.beats.append((step, phase))
+
+    hb, folder = Beats(), tmp_path / ".tmp-step-7"
+    folder.mkdir()
+    with SaveProgress(hb, 7, folder, interval_s=0.05) as progress:
+        assert hb.beats == [(7, "writing")]  # the save's clock starts at once
+        time.sleep(0.3)
+        assert len(hb.beats) == 1  # nothing written, no stage passed: silent, as a stuck step is
+        (folder / "shard").write_bytes(b"x" * 100)
+        time.sleep(0.3)
+        assert len(hb.beats) == 2  # the folder grew
+        progress.advance()
+        time.sleep(0.3)
+        assert len(hb.beats) == 3  # a stage passed (a file hashed)
+    assert set(hb.beats) == {(7, "writing")}
+
+    cfg = HbConfig(interval_s=1.0, timeout_s=4.0, save_timeout_s=1800.0)
+    row = {"rank": 1, "node": "n2", "launch": "7.0", "generation": 0, "step": 300, "time": 1000.0}
+    assert find_hang([{**row, "phase": "writing"}], "7.0", cfg, 0.1, 1006.0).phase == "writing"
+    assert find_hang([{**row, "phase": "saving"}], "7.0", cfg, 0.1, 1006.0) is None  # a script's own save: no progress reported

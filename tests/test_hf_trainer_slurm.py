@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
-from test_faults_slurm import metrics, release  # noqa: F401  (a fixture)
+from test_faults_slurm import metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -67,9 +67,10 @@ def local_run(home, spec_path) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("engine", ["ddp", "zero2"])
-def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home, tmp_path, release, tiny_model, data, engine):
+def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home, tmp_path, watcher, tiny_model, data, engine):
     preempted = spec(tmp_path, f"trainer-{engine}", tiny_model, data, engine, steps=STEPS, save=STEPS // 4, partition="low")
     exp_id = submit(home, str(preempted), "--executor", "slurm")
+    watcher(exp_id)
     tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
     deadline = time.time() + 150
     while max(by_step(tdir), default=0) < 5:

@@ -128,6 +128,10 @@ def test_a_requeue_after_a_save_is_read_from_its_cause_field_and_the_rerun_is_a_
     assert changes[1].fields["state"] == "REQUEUED" and changes[1].fields["failure"] == failure
     assert "requeued by the node agent" in changes[1].fields["reason"]
     assert changes[3] == AddAttempt(2, "5_0", "5_0 started again (restart 1)")
+    # a node without scontrol left the requeue to the watcher: still a requeue after a save, not a failure
+    by_watcher = launch(0, [ExitCode.REQUEUE], requeue={**requeue, "by": "watcher"})
+    [_, update, state] = plan_refresh(attempt("RUNNING", "5_0.0"), [by_watcher], Observation("5_0", A.FAILED, 75), SLURM, NOW)
+    assert update.fields["state"] == "REQUEUED" and "requeued by the watcher" in update.fields["reason"] and state.state == T.RECOVERING
     assert changes[4].number == 2 and changes[4].fields["state"] == "RUNNING" and changes[4].fields["launch"] == "5_0.1"
     assert task_states(changes) == [T.RECOVERING, T.RUNNING] and changes[-1] == RecordRestarts(2, second)
 

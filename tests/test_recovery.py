@@ -101,6 +101,15 @@ def test_user_errors_cancellations_and_saved_requeues_are_not_recovered_and_the_
     assert r.kind == "fail" and "gave up after 2 recoveries" in r.cause
 
 
+def test_a_save_whose_node_could_not_requeue_is_requeued_at_once_and_uses_up_no_recovery():
+    saved = failed("preemption", "REQUEUED")
+    r = plan_recovery(saved, RETRY, 99, SLURM, False, {}, saved_for_watcher=True)  # past max_recoveries: not one of them
+    assert r.kind == "requeue_saved" and r.delay_s == 0 and r.exclude == ()
+    assert not RecoveryKind.REQUEUE_SAVED.counts and not RecoveryKind.FAIL.counts and RecoveryKind.REQUEUE.counts
+    # a failure is never taken for a save, whatever the record says
+    assert plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 0, SLURM, False, {}, saved_for_watcher=True).kind == "requeue"
+
+
 def test_backoff_grows_and_is_capped():
     delays = [recovery.backoff_s(n, 10, 60) for n in range(1, 7)]
     assert delays[1] > delays[0] and max(delays) <= 60 and delays[-1] == 60

@@ -4,13 +4,12 @@ run continues one W&B run (offline) and writes its TensorBoard steps into one fo
 import json
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, status_json, submit, wait_experiment, write
+from conftest import REPO, WatcherProc, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.contract import trackers
 from orchestrator.ledger import Ledger
@@ -41,24 +40,6 @@ def test_mlflow_gets_its_run_id_only_once_a_launch_recorded_it(tmp_path, monkeyp
     assert "MLFLOW_RUN_ID" not in trackers.tracker_env({}, "e", 0, tmp_path)
     with pytest.raises(ValueError):
         trackers.record_run_id(tmp_path, "mlflow", "a/b")
-
-
-class Release(threading.Thread):
-    """SLURM holds a requeued job ~120 s (BeginTime); let this test's job start at once."""
-
-    def __init__(self, name):
-        super().__init__(daemon=True)
-        self.name_, self.stop = name, threading.Event()
-
-    def run(self):
-        while not self.stop.is_set():
-            out = subprocess.run(["squeue", "-h", "--name", self.name_, "-o", "%i|%r"], capture_output=True, text=True, timeout=30).stdout
-            for line in out.splitlines():
-                job, _, reason = line.partition("|")
-                if reason == "BeginTime":
-                    time.sleep(3)  # the old step must be gone first
-                    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True, timeout=30)
-            self.stop.wait(1)
 
 
 def _tensorboard_steps(folder: Path) -> list[int]:
@@ -93,12 +74,11 @@ resources: {{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: '00:10:00'}}
 """)
     exp_id = submit(home, str(spec), "--executor", "slurm")
     run_dir = Path(status_json(home, exp_id)["experiments"][0]["run_dir"])
-    release = Release(run_dir.name)
-    release.start()
+    watcher = WatcherProc(home, exp_id)  # releases SLURM's hold on the requeued job
     try:
         exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
     finally:
-        release.stop.set()
+        watcher.stop()
         subprocess.run(["scancel", "--name", run_dir.name], capture_output=True, timeout=30)
     tdir = contract.task_dir(run_dir, 0)
     assert exp["state"] == "COMPLETED", (exp, contract.log_path(tdir, 0).read_text()[-3000:])

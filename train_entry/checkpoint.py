@@ -89,7 +89,7 @@ def _files(folder: Path) -> list[str]:
                   if stat.S_ISREG(p.lstat().st_mode) and p.name != contract.MANIFEST)
 
 
-def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
+def _hash_share(folder: Path, names: list[str], rank: int, world: int, progress: Callable[[], None] | None = None) -> dict:
     """This rank's share of the files: size and sha256 (also flushing them to disk)."""
     out = {}
     for name in names[rank::world]:
@@ -97,7 +97,34 @@ def _hash_share(folder: Path, names: list[str], rank: int, world: int) -> dict:
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
         out[name] = {"size": path.stat().st_size, "sha256": contract.file_sha256(path)}
+        if progress:
+            progress()
     return out
+
+
+def _slow_filesystem(folder: Path, seconds: float) -> None:
+    """Benchmarks: a save that takes ``seconds`` more, writing all along (a slow filesystem)."""
+    filler = folder / ".slow-filesystem"
+    end = time.time() + seconds
+    with open(filler, "ab") as fh:
+        while time.time() < end:
+            fh.write(b"\0" * 4096)
+            fh.flush()
+            time.sleep(0.1)
+    filler.unlink()
+
+
+def _stall(step: int, rank: int) -> None:
+    """Tests: the save of one step stalls for good on rank 1 (first launch, first generation),
+    as on a hung filesystem. The agents stop it with SIGTERM, then SIGKILL."""
+    if (
+        os.environ.get(contract.envvars.FAULT_STALL_SAVE) == str(step)
+        and rank == 1
+        and os.environ.get(contract.envvars.GENERATION, "0") == "0"
+        and os.environ.get(contract.envvars.LAUNCH, "").endswith(".0")
+    ):
+        while True:
+            time.sleep(60)
 
 
 def gather(obj):
@@ -125,6 +152,7 @@ class Checkpointer:
         self.pending = None  # an async save: (step, tmp, future, blocked_s, started)
         self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
         self.extras: dict[str, dict] = {}  # JSON files rank 0 adds to every checkpoint (hf.json)
+        self.on_progress: Callable[[], None] | None = None  # a stage of a save passed (save_progress)
 
     # ------------------------------------------------------------ save
 
@@ -158,15 +186,24 @@ class Checkpointer:
         t0 = time.perf_counter()
         # of the weights being saved: an asynchronous write lets training change them before the commit
         meta = {**meta, **self.fingerprint_of(self.engine.model)}
+        self._progress()
         tmp = self.begin(step)
+        self._progress()
+        _stall(step, self.rank)
         future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
-        time.sleep(float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0))  # benchmarks: a slow filesystem
+        self._progress()
+        if slow := float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0):
+            _slow_filesystem(tmp, slow)
         blocked = time.perf_counter() - t0
         self.last_save_time = time.time()
         if future is not None:
             self.pending = (step, tmp, future, blocked, t0, meta)
             return {"step": step, "blocked_s": blocked, "async": True}
         return self._commit(step, tmp, blocked, t0, meta)
+
+    def _progress(self) -> None:
+        if self.on_progress:
+            self.on_progress()
 
     @staticmethod
     def fingerprint_of(model) -> dict:
@@ -207,7 +244,7 @@ class Checkpointer:
         names = _files(tmp) if self.rank == 0 else None
         box = [names]
         dist.broadcast_object_list(box, src=0)
-        shares = gather(_hash_share(tmp, box[0], self.rank, self.world))
+        shares = gather(_hash_share(tmp, box[0], self.rank, self.world, self.on_progress))
         final = None
         if self.rank == 0:
             files = {k: v for share in shares for k, v in share.items()}

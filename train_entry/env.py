@@ -1,5 +1,6 @@
 """Where this process sits in the job: the environment read into contexts (pure), and the
-rendezvous address (which may resolve a node name or ask scontrol for it).
+rendezvous address (which may resolve a node name, ask scontrol for it, or take the
+address srun was started from).
 
 Two levels. The node agent reads the scheduler's variables (SLURM's, or the local
 executor's stand-ins, ``contract.envvars``) to learn its node and the rendezvous point.
@@ -26,6 +27,8 @@ class NodeContext:
     nodes: tuple[str, ...]
     node_name: str
     on_slurm: bool
+    # the address srun was started from: the batch script's node, the allocation's first
+    launch_addr: str | None = None
 
 
 def node_context(env: Mapping[str, str]) -> NodeContext:
@@ -44,6 +47,7 @@ def node_context(env: Mapping[str, str]) -> NodeContext:
             nodes=nodes or (name,),
             node_name=name,
             on_slurm=True,
+            launch_addr=env.get("SLURM_LAUNCH_NODE_IPADDR") or None,
         )
     name = socket.gethostname()
     return NodeContext(
@@ -87,9 +91,12 @@ def rendezvous(
     try:
         addr = resolve(first)
     except OSError:
-        addr = node_addr(first)
+        # then SLURM's word; without scontrol (a container), the address srun was started
+        # from: the batch script runs on the allocation's first node, and starts the agents
+        addr = node_addr(first) or ctx.launch_addr
         if not addr:
-            raise RuntimeError(f"cannot resolve the first node '{first}' and SLURM has no NodeAddr for it")
+            raise RuntimeError(f"cannot resolve the first node '{first}', SLURM has no NodeAddr for it "
+                               "and srun gave no SLURM_LAUNCH_NODE_IPADDR")
     return addr, derive_port(ctx.job_id, generation)
 
 

@@ -2,11 +2,13 @@
 
 Heartbeats are written from the training thread only, at step boundaries: a rank
 stuck in a collective or stopped by a signal stops beating, which is what hang
-detection needs. A thread beating on its own would hide exactly those hangs.
+detection needs. A thread beating on its own would hide exactly those hangs; the one
+exception, a save's progress thread (``save_progress``), beats only when the save advanced.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -27,8 +29,13 @@ class Heartbeat:
         self.step_time_s: float | None = None
         self.step = 0
         self.phase: str | None = None
+        self._lock = threading.Lock()  # a save's progress thread beats too (save_progress)
 
     def beat(self, step: int, phase: str, force: bool = False) -> None:
+        with self._lock:
+            self._beat(step, phase, force)
+
+    def _beat(self, step: int, phase: str, force: bool) -> None:
         self.step = step
         now = self.clock()
         # a new phase is always written: a rank that hangs right after a save must not

@@ -205,15 +205,23 @@ class Loop:
 
     def save(self, why: str, final: bool = False) -> None:
         from train_entry import resume_check
+        from train_entry.save_progress import SaveProgress
 
-        self.hb.beat(self.step, contract.Phase.SAVING, force=True)
-        w = self.workload
-        # what the resume check compares: the step's loss, and the next step's first micro-batch's
-        probe = resume_check.next_step_probe(self.engine, w.dataset, w.loss, self.sampler, self.step, self.cfg)
-        meta = {"launch": self.session.ctx.launch, "probe": probe}
-        if self.step_losses:
-            meta["loss"] = resume_check.step_loss(self.step_losses)
-        self.saved(self.ckpt.save(self.step, meta, final=final), why)
+        folder = contract.checkpoint_tmp(self.session.task_dir, self.step)
+        with SaveProgress(self.hb, self.step, folder, self.cfg.heartbeat.interval_s) as progress:
+            w = self.workload
+            # what the resume check compares: the step's loss, and the next step's first micro-batch's
+            probe = resume_check.next_step_probe(self.engine, w.dataset, w.loss, self.sampler, self.step, self.cfg)
+            meta = {"launch": self.session.ctx.launch, "probe": probe}
+            if self.step_losses:
+                meta["loss"] = resume_check.step_loss(self.step_losses)
+            progress.advance()
+            self.ckpt.on_progress = progress.advance
+            try:
+                info = self.ckpt.save(self.step, meta, final=final)
+            finally:
+                self.ckpt.on_progress = None
+        self.saved(info, why)
 
     def saved(self, info: dict | None, why: str) -> None:
         if info and info.get("folder"):

@@ -21,7 +21,8 @@ class Phase(TextEnum):
 
     INIT = "init"  # before the first step: loading, rendezvous
     TRAIN = "train"
-    SAVING = "saving"  # writing a checkpoint
+    SAVING = "saving"  # writing a checkpoint (a script's own save: no progress reported)
+    WRITING = "writing"  # writing a checkpoint, beating whenever the write advanced (the built-in trainer)
     REQUEUE = "requeue"  # saved on the checkpoint signal, leaving
     DONE = "done"
     FAILED = "failed"
@@ -38,6 +39,7 @@ class RequeueBy(TextEnum):
 
     AGENT = "agent"  # node 0's agent, with scontrol requeue
     SLURM = "slurm"  # SLURM itself (an older agent's choice after a preemption)
+    WATCHER = "watcher"  # the node could not run scontrol (a container without SLURM's client): the watcher does
 
 
 def heartbeat_record(

@@ -297,7 +297,12 @@ class Heartbeat(Strict):
         900.0, gt=0, le=DAY_S, strict=True, description="Allowed silence before the first step (loading, rendezvous)."
     )
     save_timeout_s: float = Field(
-        1800.0, gt=0, le=DAY_S, strict=True, description="Allowed silence while a checkpoint is written."
+        1800.0,
+        gt=0,
+        le=DAY_S,
+        strict=True,
+        description="Allowed silence while a script's own save writes a checkpoint (train_entry.client, the HF Trainer "
+        "and Accelerate integrations). The built-in trainer's saves beat whenever they advance and get the training timeout.",
     )
 
 

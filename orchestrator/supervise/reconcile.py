@@ -50,7 +50,7 @@ _EXIT_REASON = {
     ExitCode.OUT_OF_MEMORY: "out of memory",
     ExitCode.INTERNAL_ERROR: "orchestrate's trainer failed (a bug in orchestrate, not in your code)",
 }
-_REQUEUED_BY = {RequeueBy.SLURM: "SLURM", RequeueBy.AGENT: "the node agent"}
+_REQUEUED_BY = {RequeueBy.SLURM: "SLURM", RequeueBy.AGENT: "the node agent", RequeueBy.WATCHER: "the watcher"}
 
 
 def requeue_cause(launch: LaunchRecord) -> RequeueCause:

@@ -63,8 +63,9 @@ def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max:
         return None  # (a row of a damaged type, written by an older version, is not a heartbeat)
     generation = max(h.get("generation") or 0 for h in rows)
     # ALIVE: the agent's beat for a rank that reports no steps, written while its output grows
+    # WRITING: a save that beats whenever it advances; stalled, it is as hung as a stuck step
     limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: train_timeout(hb, step_time_max), Phase.SAVING: hb.save_timeout_s,
-              Phase.ALIVE: train_timeout(hb, step_time_max)}
+              Phase.ALIVE: train_timeout(hb, step_time_max), Phase.WRITING: train_timeout(hb, step_time_max)}
     worst: Hang | None = None
     for h in rows:
         if (h.get("generation") or 0) != generation or h.get("phase") not in limits:
@@ -86,6 +87,14 @@ class RecoveryKind(TextEnum):
     REQUEUE = "requeue"  # the scheduler still holds the job: back into the queue under its id
     RELEASE = "release"  # the scheduler requeued it by itself: only hold it back, keep it off failed nodes
     RESUBMIT = "resubmit"  # a new job
+    # the ranks saved on the signal but their node could not requeue the job (no scontrol in a
+    # container): back into the queue under its id at once; a requeue, not a recovery
+    REQUEUE_SAVED = "requeue_saved"
+
+    @property
+    def counts(self) -> bool:
+        """Whether it uses up one of ``retry.max_recoveries``."""
+        return self not in (RecoveryKind.FAIL, RecoveryKind.REQUEUE_SAVED, RecoveryKind.NONE)
 
 
 @dataclass(frozen=True)
@@ -152,13 +161,17 @@ def plan_recovery(
     node_states: dict[str, str],
     unresponsive: list[str] = (),
     excluded_before: list[str] = (),
+    saved_for_watcher: bool = False,
 ) -> Recovery:
     """What to do about the task's latest attempt, ended as ``attempt`` says.
 
     ``recoveries``: how many times the task was already recovered. ``pending_again``:
     SLURM requeued the job by itself (node failure, preemption). ``node_states``: SLURM's
-    word on every node, to keep the task off the ones that failed under it."""
+    word on every node, to keep the task off the ones that failed under it.
+    ``saved_for_watcher``: the ranks saved on the signal and the node left the requeue to us."""
     state = AttemptState(attempt["state"])
+    if state == AttemptState.REQUEUED and saved_for_watcher:
+        return Recovery(RecoveryKind.REQUEUE_SAVED, f"{attempt.get('reason') or 'saved on the checkpoint signal'}: requeued under its id")
     try:
         failure = FailureKind(attempt.get("failure"))
     except ValueError:

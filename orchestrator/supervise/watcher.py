@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator import contract
-from orchestrator.contract import FailureKind, GenerationAction, TaskConfig, TaskConfigError, envvars
+from orchestrator.contract import FailureKind, GenerationAction, RequeueBy, TaskConfig, TaskConfigError, envvars
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
@@ -230,7 +230,7 @@ class Watcher:
         actions = self.ledger.actions(exp["id"], idx)
         if any(a["attempt"] == attempt["number"] for a in actions):
             return
-        recoveries = sum(1 for a in actions if a["kind"] != RecoveryKind.FAIL)
+        recoveries = sum(1 for a in actions if RecoveryKind(a["kind"]).counts)
         obs = observations.get(attempt["job_id"])
         caps = self.scheduler(exp["executor"]).capabilities
         pending_again = obs is not None and obs.state == AttemptState.PENDING and caps.requeues_by_itself
@@ -239,6 +239,7 @@ class Watcher:
         plan = recovery.plan_recovery(
             attempt, cfg.retry, recoveries, caps, pending_again, node_states,
             launch.unresponsive if launch else [], excluded,
+            saved_for_watcher=launch is not None and (launch.requeue or {}).get("by") == RequeueBy.WATCHER,
         )
         if plan.kind == RecoveryKind.NONE:
             return
@@ -254,13 +255,15 @@ class Watcher:
             self.ledger.set_task_state(exp["id"], idx, TaskState.FAILED, cause, reason=cause)
             self.ledger.finish_action(exp["id"], idx, attempt["number"], {}, cause)
             return
-        if kind == RecoveryKind.REQUEUE and not sched.requeue(attempt["job_id"]):
+        if kind in (RecoveryKind.REQUEUE, RecoveryKind.REQUEUE_SAVED) and not sched.requeue(attempt["job_id"]):
             kind = RecoveryKind.RESUBMIT  # SLURM no longer holds the job's record
             self.ledger.event(exp["id"], "recovery.resubmit", f"SLURM no longer knows job {attempt['job_id']}: submitting the task again", idx=idx, attempt=attempt["number"])
         _fault_point(f"after-{kind}")
         done: dict = {}
         if kind in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
             sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
+        elif kind == RecoveryKind.REQUEUE_SAVED:
+            pass  # SLURM's hold on it is released once it is pending (_release_hold)
         else:
             new_job = sched.resubmit(Path(exp["run_dir"]), idx, detail["exclude"], detail["delay_s"], detail["tag"])
             self.ledger.add_attempt(exp["id"], idx, new_job, f"{cause} (new job {new_job})")
@@ -279,13 +282,13 @@ class Watcher:
             attempt = next(a for a in attempts if a["number"] == action["attempt"])
             detail, sched = action["detail"], self.scheduler(exp["executor"])
             cause = f"finishing a recovery a watcher left halfway: {action['kind']} of job {detail.get('job_id')}"
-            if action["kind"] in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
+            if action["kind"] in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE, RecoveryKind.REQUEUE_SAVED):
                 if observations is None:
                     continue
                 obs = observations.get(attempt["job_id"])
                 newer = attempts[-1]["number"] > attempt["number"]
                 if newer or (obs is not None and obs.state in (AttemptState.PENDING, AttemptState.RUNNING)):
-                    if obs is not None and obs.state == AttemptState.PENDING:
+                    if obs is not None and obs.state == AttemptState.PENDING and action["kind"] != RecoveryKind.REQUEUE_SAVED:
                         sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
                     self._done(exp, task["idx"], attempt, detail, {}, cause + ": it had been requeued")
                     continue

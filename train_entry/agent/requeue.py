@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from train_entry.env import NodeContext, scontrol_field
 
 REQUEUE_WAIT_S = 60.0
 PREEMPT_WAIT_S = 900.0
+NO_SCONTROL = "scontrol is not on this node's PATH (a container without SLURM's client?): the watcher requeues the job"
 
 
 def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags, run=subprocess.run) -> int:
@@ -26,22 +28,30 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
     twice the time to the resumed step), and a job that exits on its own without the
     requeue is just FAILED. SLURM's record then says REQUEUED; the ledger keeps the
     cause. The other nodes wait for node 0's decision, so that srun does not stop it
-    halfway, and every agent stays until SLURM's SIGTERM.
+    halfway, and every agent stays until SLURM's SIGTERM. A node that cannot run
+    ``scontrol`` (a container without SLURM's client) says so in the record: the agents
+    leave at once, the job ends (exit 75) and the watcher requeues it.
     """
     record = contract.requeue_path(ldir)
     if ctx.node_rank == 0:
         decision = requeue_decision(ctx, cfg, run)
+        if decision["by"] == contract.RequeueBy.AGENT and shutil.which("scontrol") is None:
+            decision = {**decision, "by": contract.RequeueBy.WATCHER.value, "reason": f"{decision['reason']}; {NO_SCONTROL}"}
         contract.atomic_write_json(record, {**decision, "time": time.time()})
         if decision["by"] == contract.RequeueBy.AGENT:
             try:  # ends this job at once (the ranks are done) and queues it again
                 run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
             except (OSError, subprocess.SubprocessError) as exc:
-                print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}", file=sys.stderr)
+                print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}; the watcher requeues it", file=sys.stderr)
+                decision = {**decision, "by": contract.RequeueBy.WATCHER.value,
+                            "reason": f"{decision['reason']}; scontrol requeue failed on the node: {str(exc)[:200]}"}
+                contract.atomic_write_json(record, {**decision, "time": time.time()})
     else:
         deadline = time.time() + REQUEUE_WAIT_S
         while not record.exists() and time.time() < deadline:
             time.sleep(0.5)
         decision = contract.read_json(record) or {}
+    # requeued by the watcher: the job ends now (exit 75, FAILED), and it requeues it from there
     if decision.get("by") in (contract.RequeueBy.SLURM, contract.RequeueBy.AGENT):
         deadline = time.time() + PREEMPT_WAIT_S  # until SLURM's SIGTERM (grace time over, or the requeue)
         while time.time() < deadline and not flags.stopping():
@@ -52,10 +62,13 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
 def requeue_decision(ctx: NodeContext, cfg: contract.TaskConfig, run=subprocess.run) -> dict:
     """``by``: who requeues (None: nobody, the limit is reached); ``cause``: a
     ``RequeueCause`` value, what the login side reads; ``reason``: words for people."""
-    # SLURM sets PreemptTime once a preemption began; else the signal came for the time limit
-    preempted = scontrol_field("job", ctx.job_id, "PreemptTime", run=run) not in (None, "None", "Unknown")
-    cause = RequeueCause.PREEMPTION if preempted else RequeueCause.TIME_LIMIT
+    # SLURM sets PreemptTime once a preemption began; else the signal came for the time limit.
+    # Without scontrol, nothing here can tell (SIGNAL): the watcher reads SLURM's record
+    preempt_time = scontrol_field("job", ctx.job_id, "PreemptTime", run=run)
+    preempted = preempt_time not in (None, "None", "Unknown")
+    cause = RequeueCause.PREEMPTION if preempted else RequeueCause.TIME_LIMIT if preempt_time else RequeueCause.SIGNAL
     limit = cfg.retry.max_requeues
     if ctx.restart_count >= limit:
         return {"by": None, "cause": cause.value, "reason": f"requeue limit reached ({limit})"}
-    return {"by": contract.RequeueBy.AGENT.value, "cause": cause.value, "reason": "preempted" if preempted else "time limit signal"}
+    reason = {RequeueCause.PREEMPTION: "preempted", RequeueCause.TIME_LIMIT: "time limit signal"}.get(cause, "the checkpoint signal")
+    return {"by": contract.RequeueBy.AGENT.value, "cause": cause.value, "reason": reason}
