@@ -164,6 +164,44 @@ def test_a_save_stalled_on_one_rank_is_caught_within_the_heartbeat_timeout_and_r
     assert hang["time"] - stalled_at < 60, hang["time"] - stalled_at
 
 
+def test_an_exclusion_that_leaves_too_few_nodes_is_lifted_and_the_run_completes(slurm, home, tmp_path, watchers):
+    # every node of the partition is needed: once the failed one is excluded, SLURM can never start the job
+    # (while the node is down SLURM says it waits for it; once it is back, BadConstraints)
+    spec = write(tmp_path / "all4.yaml", spec_text("allnodes", steps=400))
+    exp_id = submit(home, str(spec), "--executor", "slurm", "--set", "resources={nodes: 4}")
+    watchers.append(WatcherProc(home, exp_id))
+    tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
+    wait_for_step(tdir, 150)
+    node = heartbeat(tdir, 2)["node"]
+    ledger = Ledger.open(home / "ledger.db")
+
+    def wait_for_event(kind):
+        deadline = time.time() + 120
+        while kind not in kinds(ledger, exp_id):
+            assert time.time() < deadline, (kinds(ledger, exp_id)[-6:], slurm_run("squeue", "-h", "-o", "%i|%T|%r"))
+            time.sleep(0.5)
+
+    try:
+        slurm_run("scontrol", "update", f"nodename={node}", "state=down", "reason=chaos-test")
+        wait_for_event("recovery.release.done")  # requeued by SLURM, kept off the failed node
+    finally:
+        # the node is mended: SLURM still cannot start the job on the 3 nodes left (BadConstraints)
+        slurm_run("scontrol", "update", f"nodename={node}", "state=resume")
+    wait_for_event("recovery.exclusion_lifted")
+    exp, ledger = finish(home, exp_id, watchers[-1])
+    ref = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 4, cpus_per_task: 1}",
+              "--wait", "--json", home=tmp_path / "ref", timeout=400)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    ref_loss = json.loads(ref.stdout)["experiments"][0]["tasks"][0]["loss"]
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["loss"] == ref_loss, (exp, ref_loss)
+    first, second = ledger.attempts(exp_id, 0)
+    assert first["failure"] == "node_failure" and not first["exclude"], first  # excluded, then lifted
+    [lifted] = [e for e in ledger.events(exp_id) if e["kind"] == "recovery.exclusion_lifted"]
+    assert "BadConstraints" in lifted["cause"] and f"allowing {node} again" in lifted["cause"], lifted
+    order = [k for k in kinds(ledger, exp_id) if k in ("recovery.release.done", "recovery.exclusion_lifted")]
+    assert order == ["recovery.release.done", "recovery.exclusion_lifted"], order
+
+
 def parent_pid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as fh:
         return int(fh.read().rsplit(")", 1)[1].split()[1])

@@ -165,3 +165,18 @@ def test_agents_that_do_not_answer_an_end_record_are_escalated_after_their_deadl
     # one node answered: its agent ends the launch itself after the stop barrier, naming the silent one
     assert recovery.unanswered_for(0.0, 1, 2, A + 1) is None
     assert recovery.unanswered_for(0.0, 1, 2, A + B + 1) == A + B + 1
+
+
+def test_a_job_slurm_can_never_start_gets_its_oldest_exclusion_lifted_or_fails_clearly():
+    from orchestrator.scheduler.base import Observation
+    from orchestrator.states import AttemptState as A
+
+    never = Observation("7_1", A.PENDING, reason="BadConstraints")
+    v = recovery.unschedulable(never, ["n3", "n1"])
+    assert v.lift == "n3" and "allowing n3 again, the oldest exclusion" in v.cause and "BadConstraints" in v.cause
+    v = recovery.unschedulable(never, [])
+    assert v.lift is None and "can never start job 7_1" in v.cause and "resources.nodes" in v.cause
+    # waiting for nodes that are busy or down is SLURM's business, not ours
+    for reason in ("Resources", "Priority", "ReqNodeNotAvail, UnavailableNodes:n3", "BeginTime"):
+        assert recovery.unschedulable(Observation("7_1", A.PENDING, reason=reason), ["n3"]) is None
+    assert recovery.unschedulable(Observation("7_1", A.RUNNING), ["n3"]) is None and recovery.unschedulable(None, ["n3"]) is None

@@ -80,6 +80,10 @@ def test_requeue_tells_a_forgotten_job_from_a_failure_and_release_holds_and_excl
     runner = FakeRunner()
     SlurmScheduler(runner).release("7_1", ["n3", "n1"], 12.7)
     assert runner.calls == [["scontrol", "update", "JobId=7_1", "StartTime=now+12", "ExcNodeList=n1,n3"]]
+    runner = FakeRunner()
+    SlurmScheduler(runner).set_exclude("7_1", ["n4", "n2"])
+    SlurmScheduler(runner).set_exclude("7_1", [])  # clears them
+    assert runner.calls == [["scontrol", "update", "JobId=7_1", "ExcNodeList=n2,n4"], ["scontrol", "update", "JobId=7_1", "ExcNodeList="]]
 
 
 def test_node_states_and_cancel_go_through_the_runner(tmp_path):

@@ -81,6 +81,9 @@ class Scheduler(Protocol):
     def release(self, job_id: str, exclude: list[str], delay_s: float) -> None:
         """A requeued job: keep it off ``exclude`` and let it start after ``delay_s``."""
 
+    def set_exclude(self, job_id: str, exclude: list[str]) -> None:
+        """A pending job's excluded nodes, replaced (an empty list: none)."""
+
     def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
         """Submit one task again as a new job (named with ``tag``); returns its id."""
 

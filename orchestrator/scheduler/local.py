@@ -139,6 +139,9 @@ class LocalScheduler:
     def release(self, job_id: str, exclude: list[str], delay_s: float) -> None:
         pass
 
+    def set_exclude(self, job_id: str, exclude: list[str]) -> None:
+        pass  # one machine: nothing to exclude
+
     def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
         import submitit
 

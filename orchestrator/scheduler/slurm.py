@@ -302,6 +302,10 @@ class SlurmScheduler:
             argv.append(f"ExcNodeList={','.join(sorted(exclude))}")
         self.runner.run(argv, timeout=QUERY_TIMEOUT_S)
 
+    def set_exclude(self, job_id: str, exclude: list[str]) -> None:
+        """A pending job's excluded nodes, replaced (``ExcNodeList=`` clears them)."""
+        self.runner.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(exclude))}"], timeout=QUERY_TIMEOUT_S)
+
     def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
         """One task as a new job, with the experiment's own request; returns its id."""
         import submitit

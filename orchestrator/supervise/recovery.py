@@ -148,6 +148,32 @@ def unanswered_for(asked_at: float, stopped: int, nodes: int, now: float) -> flo
     return age if age > deadline else None
 
 
+# ---------------------------------------------------------------- exclusions SLURM cannot meet
+
+# SLURM's pending reason for a request no configuration of the partition can ever meet
+# (checked on 22.05: a pending job whose ExcNodeList leaves too few nodes waits with it forever)
+UNSCHEDULABLE = ("BadConstraints",)
+
+
+@dataclass(frozen=True)
+class Unschedulable:
+    lift: str | None  # the oldest excluded node to allow again; None: none left, the task fails
+    cause: str
+
+
+def unschedulable(obs: Observation | None, excluded_oldest_first: list[str]) -> Unschedulable | None:
+    """A pending job SLURM can never start: lift the oldest of the exclusions the recoveries
+    added (one per cycle, until it can), or, with none left, fail the task clearly."""
+    if obs is None or obs.state != AttemptState.PENDING or obs.reason not in UNSCHEDULABLE:
+        return None
+    if excluded_oldest_first:
+        node = excluded_oldest_first[0]
+        return Unschedulable(node, f"SLURM cannot start job {obs.job_id} ({obs.reason}): the nodes excluded after failures "
+                                   f"({','.join(excluded_oldest_first)}) leave the partition too few; allowing {node} again, the oldest exclusion")
+    return Unschedulable(None, f"SLURM can never start job {obs.job_id} ({obs.reason}): the partition has too few nodes for "
+                               "resources.nodes outside resources.exclude and resources.constraint; cancelled")
+
+
 def unhealthy_nodes(node_states: dict[str, str]) -> set[str]:
     return {n for n, s in node_states.items() if any(word in s.lower() for word in UNHEALTHY)}
 

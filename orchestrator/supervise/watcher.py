@@ -27,7 +27,7 @@ from orchestrator.contract import FailureKind, GenerationAction, RequeueBy, Task
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
-from orchestrator.scheduler import get_scheduler
+from orchestrator.scheduler import JobRef, get_scheduler
 from orchestrator.contract import records
 from orchestrator.supervise import badrecords, recovery, refresh
 from orchestrator.supervise.launches import read_generation_ends, read_launch, read_launches
@@ -98,6 +98,7 @@ class Watcher:
                     self._check_hang(exp, task, attempt, cfg)
                     if observations is not None:
                         self._release_hold(exp, task, attempt, cfg, observations.get(attempt["job_id"]))
+                        self._unschedulable(exp, task, attempts, observations.get(attempt["job_id"]))
                     if task["state"] == TaskState.RECOVERING.value and observations is not None:
                         if node_states is None:
                             node_states = self._node_states(exp["executor"])
@@ -197,6 +198,28 @@ class Watcher:
                                           failure=FailureKind.HANG.value, reason=cut(cause, 500), ended_at=self.clock()):
                 self.ledger.set_task_state(exp["id"], task["idx"], TaskState.RECOVERING, cause)
                 self.ledger.event(exp["id"], "hang.escalated", cause, idx=task["idx"], attempt=attempt["number"])
+
+    def _unschedulable(self, exp: dict, task: dict, attempts: list[dict], obs) -> None:
+        """A pending job SLURM can never start (too many nodes excluded): lift the oldest
+        exclusion, or with none of ours left, fail the task with SLURM's reason."""
+        excluded = list(dict.fromkeys(n for a in attempts for n in str(a.get("exclude") or "").split(",") if n))
+        verdict = recovery.unschedulable(obs, excluded)
+        if verdict is None:
+            return
+        exp_id, idx, job = exp["id"], task["idx"], attempts[-1]["job_id"]
+        sched = self.scheduler(exp["executor"])
+        if verdict.lift is None:
+            self.ledger.set_task_state(exp_id, idx, TaskState.FAILED, verdict.cause, reason=verdict.cause)
+            sched.cancel([JobRef(job, Path(exp["run_dir"]), idx, attempts[-1].get("submitted_at"))])
+            return
+        rest = [n for n in excluded if n != verdict.lift]
+        sched.set_exclude(job, rest)  # first: a watcher killed before the ledger write lifts the same node again
+        with self.ledger.tx():
+            for a in attempts:
+                nodes = [n for n in str(a.get("exclude") or "").split(",") if n]
+                if verdict.lift in nodes:
+                    self.ledger.set_attempt_exclude(exp_id, idx, a["number"], [n for n in nodes if n != verdict.lift])
+            self.ledger.event(exp_id, "recovery.exclusion_lifted", verdict.cause, idx=idx, attempt=attempts[-1]["number"])
 
     # ------------------------------------------------------------ requeued jobs
 
