@@ -102,3 +102,62 @@ def test_polls_skip_older_jobs_that_reused_an_id():
     refs = [JobRef("7_0", _P("/r"), 0, t + 50), JobRef("7_1", _P("/r"), 1, t)]
     assert since_args(refs) == ["-S", "2026-11-21T11:00:00"]
     assert since_args(refs + [JobRef("8", _P("/r"), 0, None)]) == []  # an attempt without a time: no bound
+
+
+def srun_line(script: str) -> list[str]:
+    import shlex
+
+    [line] = [l for l in script.splitlines() if l.startswith("srun ")]
+    return shlex.split(line)
+
+
+def test_an_apptainer_container_wraps_the_agents_python_and_mounts_what_the_run_needs(tmp_path):
+    (tmp_path / "d").mkdir()
+    script = write(tmp_path / "d" / "train.py", "print('hi')\n")
+    spec = f"""\
+name: boxed
+steps: 10
+model: {{kind: script, script: {script}}}
+resources:
+  gpus_per_task: 1
+  container: {{image: /images/train.sif, mounts: ["/scratch/shared:/shared:ro"]}}
+"""
+    words = srun_line(render_batch_script(plan_of(tmp_path, spec), python="/usr/bin/python3"))
+    i = words.index("apptainer")
+    # the run folder and the script's folder at their own paths, then the spec's own mounts; --nv for the GPUs
+    assert words[i:i + 7] == ["apptainer", "exec", "--nv", "--bind", f"/scratch/runs/boxed-0123abcd,{tmp_path / 'd'},/scratch/shared:/shared:ro",
+                              "/images/train.sif", "python3"], words
+    assert words[i + 7:i + 10] == ["-u", "-m", "submitit.core._submit"]
+    assert "/usr/bin/python3" not in words  # the login node's interpreter is not the image's
+
+
+def test_a_pyxis_container_is_srun_options_and_a_hostile_image_name_stays_one_word(tmp_path):
+    spec = "name: boxed\nsteps: 10\nresources:\n  container: {runtime: pyxis, image: 'nvcr.io#nvidia/pytorch:24.05-py3 $(touch /tmp/x)', python: /usr/bin/python}\n"
+    words = srun_line(render_batch_script(plan_of(tmp_path, spec), python="/usr/bin/python3"))
+    assert "--container-image=nvcr.io#nvidia/pytorch:24.05-py3 $(touch /tmp/x)" in words  # one quoted word: never run
+    assert "--container-mounts=/scratch/runs/boxed-0123abcd" in words
+    assert words[words.index("/usr/bin/python"):][:3] == ["/usr/bin/python", "-u", "-m"]
+
+
+def test_container_mounts_and_images_are_checked_at_the_spec(tmp_path):
+    with pytest.raises(SpecError) as err:
+        plan_of(tmp_path, "name: x\nsteps: 1\nresources:\n  container: {image: /i.sif, mounts: ['/a,/b']}\n")
+    assert "resources.container.mounts[0]" in str(err.value) and "its own list item" in str(err.value)
+    with pytest.raises(SpecError) as err:
+        plan_of(tmp_path, "name: x\nsteps: 1\nresources:\n  container: {image: \"/i.sif\\n#SBATCH --uid=0\"}\n")
+    assert "resources.container.image" in str(err.value)
+    with pytest.raises(SpecError) as err:
+        plan_of(tmp_path, "name: x\nsteps: 1\nresources:\n  container: {runtime: docker, image: x}\n")
+    assert "resources.container.runtime" in str(err.value)
+
+
+def test_a_resubmission_reads_the_saved_python_back_as_plain_words():
+    from orchestrator.scheduler.slurm import _python_words
+
+    assert _python_words("apptainer exec --bind /r,/d /i.sif python3") == "apptainer exec --bind /r,/d /i.sif python3"
+    assert _python_words("'/my env/python'") == "'/my env/python'"
+    assert _python_words("python; rm -rf ~") == "'python;' rm -rf '~'"  # words, never shell syntax
+    import sys
+    assert _python_words("a\nb") == "a b"  # a line break is only a space between words
+    for damaged in (None, 42, "", "'unterminated"):
+        assert _python_words(damaged) == sys.executable

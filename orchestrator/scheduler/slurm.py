@@ -20,6 +20,7 @@ refresh for every live job of every experiment; ``slurm_parse`` translates it.
 from __future__ import annotations
 
 import math
+import os
 import pwd
 import shlex
 import shutil
@@ -39,6 +40,7 @@ from orchestrator.submit import fragments
 from orchestrator.submit.plan import Plan
 
 QUERY_TIMEOUT_S = 30
+PYTHON_KEY = "_python"  # in sbatch-parameters.json: the shell words that start Python on the nodes
 CHECK_TIMEOUT_S = 60
 SQUEUE_FORMAT = "%i|%T|%r|%N"
 
@@ -79,13 +81,46 @@ def batch_parameters(plan: Plan) -> dict:
         "stderr_to_stdout": True,
         "signal_delay_s": plan.spec.checkpoint.signal_before_s,
         # one failed node agent ends the step: the others' ranks would only hang
-        "srun_args": ["--kill-on-bad-exit=1", *r.srun_args],
+        "srun_args": ["--kill-on-bad-exit=1", *container_srun_args(plan), *r.srun_args],
         "additional_parameters": extra,
     }
     params = {k: v for k, v in params.items() if v is not None}
     check_parameters(params, submitit_folder(plan))  # before the fragments, so that a refusal names the spec field
     params["setup"] = setup_lines(plan)
     return check_parameters(params, submitit_folder(plan))
+
+
+def container_mounts(plan: Plan) -> list[str]:
+    """What a container must see at the same paths: the run folder, the folders of the
+    files the spec names (for every sweep task), then ``container.mounts``."""
+    paths = [str(plan.run_dir)]
+    for spec in [plan.spec, *(t.spec for t in plan.tasks if t.spec is not None)]:
+        model, data = spec.model, spec.data
+        for section, key in ((model, "path"), (data, "path"), (data, "eval_path"), (model, "script"), (model, "cwd")):
+            value = getattr(section, key, None)
+            if isinstance(value, str) and value.startswith("/"):
+                paths.append(value if key in ("cwd",) or os.path.isdir(value) else os.path.dirname(value))
+    return list(dict.fromkeys([*paths, *plan.resources.container.mounts]))
+
+
+def container_srun_args(plan: Plan) -> list[str]:
+    """pyxis: srun runs the step in the image."""
+    c = plan.resources.container
+    if c is None or c.runtime != "pyxis":
+        return []
+    return [f"--container-image={c.image}", f"--container-mounts={','.join(container_mounts(plan))}"]
+
+
+def python_command(plan: Plan, python: str = sys.executable) -> str:
+    """The shell words that start Python on the nodes (submitit's ``python``): this
+    interpreter, or the image's through Apptainer/Singularity; every word shell-quoted."""
+    c = plan.resources.container
+    if c is None:
+        return shlex.quote(python)
+    if c.runtime == "pyxis":
+        return shlex.quote(c.python)
+    gpu = ["--nv"] if plan.resources.gpus_per_task else []
+    return shlex.join([c.runtime, "exec", *gpu, "--bind", ",".join(container_mounts(plan)), c.image, c.python])
 
 
 def setup_lines(plan: Plan) -> list[str]:
@@ -151,8 +186,9 @@ def _check_parameter(key: str, value) -> None:
 
 
 def submit_command(python: str, folder: Path) -> str:
-    """The command submitit puts in the batch script (as its SlurmExecutor does)."""
-    return " ".join([shlex.quote(python), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    """The command submitit puts in the batch script (as its SlurmExecutor does);
+    ``python``: shell words, quoted already (``python_command``)."""
+    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
 def render_batch_script(plan: Plan, python: str = sys.executable) -> str:
@@ -162,7 +198,7 @@ def render_batch_script(plan: Plan, python: str = sys.executable) -> str:
 
     n = len(plan.tasks)
     return _make_sbatch_string(
-        command=submit_command(python, submitit_folder(plan)),
+        command=submit_command(python_command(plan, python), submitit_folder(plan)),
         folder=submitit_folder(plan),
         map_count=n if n > 1 else None,
         **batch_parameters(plan),
@@ -249,13 +285,15 @@ class SlurmScheduler:
         from train_entry.agent import submitit_entry
 
         self.check(plan)  # also fails fast, with a timeout, when the controller does not answer
+        python = python_command(plan)
         try:
-            executor = submitit.SlurmExecutor(folder=submitit_folder(plan))
+            executor = submitit.SlurmExecutor(folder=submitit_folder(plan), python=python)
         except RuntimeError:
             raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
         params = batch_parameters(plan)
         executor.update_parameters(**params)
-        contract.atomic_write_json(params_path(plan.run_dir), params)  # what a resubmission of one task reuses
+        # what a resubmission of one task reuses
+        contract.atomic_write_json(params_path(plan.run_dir), {**params, PYTHON_KEY: python})
         tasks = sorted(plan.tasks, key=lambda t: t.index)
         try:
             jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in tasks])
@@ -315,6 +353,7 @@ class SlurmScheduler:
         params = contract.read_json(params_path(run_dir))
         if params is None:
             raise SchedulerError(f"cannot resubmit: {params_path(run_dir)} is missing")
+        python = _python_words(params.pop(PYTHON_KEY, None))
         params.pop("array_parallelism", None)
         params["job_name"] = f"{params['job_name']}-{tag}"
         excluded = sorted({*filter(None, str(params.get("exclude") or "").split(",")), *exclude})
@@ -322,7 +361,7 @@ class SlurmScheduler:
             params["exclude"] = ",".join(excluded)
         params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
         check_parameters(params, Path(run_dir) / "submitit")  # the file may have been edited since
-        executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit")
+        executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit", python=python)
         executor.update_parameters(**params)
         return executor.submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id
 
@@ -343,6 +382,18 @@ class SlurmScheduler:
         """Every node's state (``sinfo``): failed nodes are excluded from recovered tasks."""
         out = self.runner.query(["sinfo", "-h", "-N", "-o", "%N|%T"], timeout=QUERY_TIMEOUT_S).stdout
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+
+
+def _python_words(text) -> str:
+    """The saved Python command, as plain words again (never shell syntax); this
+    interpreter when the file has none (written before containers) or a damaged one."""
+    try:
+        words = shlex.split(text) if isinstance(text, str) else []
+        for w in words:
+            slurmtext.argv_element(w)
+    except ValueError:
+        words = []
+    return shlex.join(words) if words else shlex.quote(sys.executable)
 
 
 def params_path(run_dir: Path) -> Path:

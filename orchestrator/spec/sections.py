@@ -70,6 +70,26 @@ class Batch(Strict):
     )
 
 
+class Container(Strict):
+    """The image the node agents and ranks run in; the batch script and its setup run outside it."""
+
+    runtime: Literal["apptainer", "singularity", "pyxis"] = Field(
+        "apptainer",
+        description="`apptainer` or `singularity`: `srun ... apptainer exec --bind ... IMAGE PYTHON`; `pyxis`: srun's "
+        "`--container-image` and `--container-mounts` (SLURM's enroot plugin).",
+    )
+    image: slurmtext.ArgvText = Field(
+        description="Apptainer: a `.sif` file (or a `docker://` URI); pyxis: an enroot image (`nvcr.io#nvidia/pytorch:24.05-py3`) "
+        "or a squashfs file. It must have orchestrate installed."
+    )
+    python: slurmtext.ArgvText = Field("python3", description="The Python inside the image that has orchestrate installed.")
+    mounts: slurmtext.Mounts = Field(
+        default_factory=list,
+        description="Extra bind mounts, `/host/path[:/container/path[:options]]`. The run folder and the folders of "
+        "model.path, data.path, data.eval_path, model.script and model.cwd are mounted at their own paths already.",
+    )
+
+
 class Resources(Strict):
     """What each sweep task asks SLURM for (every task of an experiment asks the same)."""
 
@@ -105,6 +125,11 @@ class Resources(Strict):
     srun_args: slurmtext.ArgvList = Field(
         default_factory=list,
         description="Extra `srun` arguments for the trainer step, e.g. container options (`--container-image=...`).",
+    )
+    container: Container | None = Field(
+        None,
+        description="Run the node agents and ranks in a container (Apptainer/Singularity or pyxis). Without `scontrol` "
+        "in the image, the watcher requeues saved jobs.",
     )
     share_with_group: bool = Field(
         False,

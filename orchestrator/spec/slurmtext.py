@@ -185,6 +185,17 @@ def path_text(text: str) -> str:
     return text
 
 
+def mount_text(text: str) -> str:
+    """One bind mount, ``src[:dst[:options]]``: one argument, and no ',' (Apptainer's --bind and
+    pyxis's --container-mounts separate mounts with it)."""
+    argv_element(no_control(text))
+    if "," in text:
+        raise ValueError(f"{shown(text)} contains ','; give each mount as its own list item")
+    if not text.startswith("/"):
+        raise ValueError(f"{shown(text)} is not an absolute path; write `/host/path[:/container/path]`")
+    return text
+
+
 def workdir_text(text: str) -> str:
     return no_shell_syntax(path_text(text))
 
@@ -259,4 +270,6 @@ NodeNames = Annotated[list[str], AfterValidator(_each(node_names))]
 TemplateNames = Annotated[list[str], AfterValidator(_each(template_name))]
 ShellLines = Annotated[list[str], AfterValidator(_each(no_nul))]  # the user's own shell: trusted
 ArgvList = Annotated[list[str], AfterValidator(_each(argv_element))]
+Mounts = Annotated[list[str], AfterValidator(_each(mount_text))]
+ArgvText = Annotated[str, AfterValidator(lambda v: argv_element(no_control(v)))]
 SbatchExtra = Annotated[dict[str, str | int | bool], AfterValidator(sbatch_extra)]
