@@ -32,16 +32,31 @@ def metrics(task_dir):
     return rows
 
 
+PREEMPTED_STEPS = 160
+
+
+@pytest.fixture(scope="module")
+def preempt_reference(tmp_path_factory):
+    """The preempted spec, never interrupted (4 ranks of 2 threads on one node: the same
+    world, data order and kernels as 4 nodes of 1 rank)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    spec = write(tmp / "p.yaml", SMALL.format(name="reference", steps=PREEMPTED_STEPS, signal_before=120, resources="{nodes: 1}"))
+    ref = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 4, cpus_per_task: 2}",
+              "--wait", "--json", home=tmp / "home", timeout=400)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    return json.loads(ref.stdout)["experiments"][0]["tasks"][0]["loss"]
+
+
 # the job's PATH without scontrol, as in a container without SLURM's client (srun stays: the batch script needs it)
 NO_SCONTROL = ("setup: ['nos=$(mktemp -d -t orchestrate-noscontrol.XXXXXX)', 'ln -s \"$(command -v srun)\" \"$nos/srun\"', "
                f"'export PATH=\"$nos:{os.path.dirname(sys.executable)}\"'], ")
 
 
 @pytest.mark.parametrize("node_has_scontrol", [True, False], ids=["scontrol", "no-scontrol"])
-def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher, node_has_scontrol):
+def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher, node_has_scontrol, preempt_reference):
     setup = "" if node_has_scontrol else NO_SCONTROL
     four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, " + setup + "time: '00:10:00'}"
-    spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=160, signal_before=120, resources=four_nodes))
+    spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=PREEMPTED_STEPS, signal_before=120, resources=four_nodes))
     exp_id = submit(home, str(spec), "--executor", "slurm")
     watcher(exp_id)
     run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
@@ -54,11 +69,7 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
     exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 400)
     assert exp["state"] == "COMPLETED", exp
 
-    # the same spec, never interrupted (4 ranks of 2 threads on one node: the same world, data order and kernels)
-    ref = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 4, cpus_per_task: 2}", "--wait", "--json", home=home, timeout=400)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    ref_loss = json.loads(ref.stdout)["experiments"][0]["tasks"][0]["loss"]
-    assert exp["tasks"][0]["loss"] == ref_loss, (exp["tasks"][0]["loss"], ref_loss)
+    assert exp["tasks"][0]["loss"] == preempt_reference, (exp["tasks"][0]["loss"], preempt_reference)
 
     job = exp["tasks"][0]["job_id"]
     runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
