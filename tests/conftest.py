@@ -160,3 +160,18 @@ def watcher(home):
     yield start
     for w in started:
         w.stop()
+
+
+def task_metrics(task_dir) -> list[dict]:
+    """The metrics rows a task's rank 0 wrote, in order."""
+    from orchestrator import contract
+
+    rows, _ = contract.read_jsonl_from(contract.metrics_path(task_dir), 0)
+    return rows
+
+
+def wait_for_step(task_dir, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while max((m["step"] for m in task_metrics(task_dir)), default=0) < step:
+        assert time.time() < deadline, f"training did not reach step {step}"
+        time.sleep(0.2)

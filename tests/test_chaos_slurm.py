@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, write
+from conftest import SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -65,18 +65,6 @@ def start(home, tmp_path, watchers, name, **kw):
     watchers.append(WatcherProc(home, exp_id))
     exp = status_json(home, exp_id)["experiments"][0]
     return exp_id, contract.task_dir(exp["run_dir"], 0)
-
-
-def metrics(tdir):
-    rows, _ = contract.read_jsonl_from(contract.metrics_path(tdir), 0)
-    return rows
-
-
-def wait_for_step(tdir, step, timeout=120):
-    deadline = time.time() + timeout
-    while max((m["step"] for m in metrics(tdir)), default=0) < step:
-        assert time.time() < deadline, f"training did not reach step {step}"
-        time.sleep(0.2)
 
 
 def heartbeat(tdir, rank):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
+from conftest import SESSION_START, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -25,11 +25,6 @@ heartbeat: {{interval_s: 1}}
 checkpoint: {{every_steps: 1000, signal_before_s: {signal_before}}}
 resources: {resources}
 """
-
-
-def metrics(task_dir):
-    rows, _ = contract.read_jsonl_from(contract.metrics_path(task_dir), 0)
-    return rows
 
 
 PREEMPTED_STEPS = 160

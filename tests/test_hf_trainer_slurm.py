@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
-from test_faults_slurm import metrics
+from conftest import task_metrics as metrics
 
 pytestmark = pytest.mark.multiproc
 

@@ -264,3 +264,14 @@ def test_a_scheduler_that_does_not_answer_does_not_hide_what_the_others_said(tmp
     assert refresh(ledger, ledger.find_experiments(), schedulers, errors) is None  # not every scheduler answered
     assert ledger.task("b", 0)["state"] == "RUNNING" and ledger.task("a", 0)["state"] == "PENDING"
     assert errors == ["slurm: slurmdbd down"]
+
+
+def test_without_accounting_a_job_pending_again_after_its_ranks_were_stopped_was_requeued_by_slurm():
+    pending = Observation("5_0", A.PENDING, reason="BeginTime", history=False)
+    for ran in (launch(0), launch(0, [ExitCode.CANCELLED])):  # its node died with it, or its agents got SIGTERM
+        changes = plan_refresh(attempt("RUNNING", "5_0.0"), [ran], pending, SLURM, NOW)
+        assert attempt_states(changes) == [(1, "REQUEUED")] and task_states(changes) == [T.RECOVERING], changes
+        assert "without accounting" in next(c for c in changes if isinstance(c, UpdateAttempt)).fields["reason"]
+    # with accounting, the same sight waits for SLURM's record of the run that ended
+    assert task_states(plan_refresh(attempt("RUNNING", "5_0.0"), [launch(0, [ExitCode.CANCELLED])],
+                                    Observation("5_0", A.PENDING, reason="BeginTime"), SLURM, 250.0)) == []

@@ -114,3 +114,43 @@ def test_a_dry_run_shows_what_each_scheduler_adds(tmp_path, monkeypatch):
     slurm = get_scheduler("slurm").preview(make_plan(str(spec), [], "slurm", tmp_path))
     assert slurm["sbatch_script"].startswith("#!/bin/bash") and slurm["slurm_check"].startswith("not checked")
     assert get_scheduler("local").preview(make_plan(str(spec), [], "local", tmp_path)) == {}
+
+
+# `scontrol show job -o` on slurm-wlm 22.05 without accounting (trimmed): a split array task, the
+# array's pending rest, a cancelled job and a time limit
+SCONTROL_JOBS = """\
+JobId=186 ArrayJobId=185 ArrayTaskId=0 JobName=wrap UserId=root(0) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 ExitCode=0:0 StartTime=2026-11-26T06:48:00 EndTime=2026-11-26T07:48:00 Partition=debug NodeList=n[1-2] BatchHost=n1
+JobId=185 ArrayJobId=185 ArrayTaskId=1-3%2 JobName=wrap UserId=root(0) JobState=PENDING Reason=JobArrayTaskLimit Dependency=(null) ExitCode=0:0 StartTime=Unknown EndTime=Unknown Partition=debug NodeList=
+JobId=190 JobName=x UserId=root(0) JobState=CANCELLED Reason=None Dependency=(null) ExitCode=0:15 StartTime=2026-11-26T06:40:00 EndTime=2026-11-26T06:41:00 Partition=debug NodeList=n3
+JobId=191 JobName=y UserId=root(0) JobState=TIMEOUT Reason=TimeLimit Dependency=(null) ExitCode=0:1 StartTime=2026-11-26T06:40:00 EndTime=2026-11-26T06:41:00 Partition=low NodeList=n4
+"""
+
+
+def test_without_accounting_the_poll_reads_the_controller_and_a_job_nobody_knows_becomes_lost(monkeypatch):
+    import time
+
+    from pathlib import Path
+
+    from orchestrator.scheduler import slurm
+    from orchestrator.scheduler.base import JobRef
+    from orchestrator.states import AttemptState as A
+
+    disabled = CommandError(["sacct"], 1, "", "Slurm accounting storage is disabled\n")
+    runner = FakeRunner({"sacct": disabled, "scontrol show job -o": SCONTROL_JOBS, "squeue": "185_0|RUNNING|None|n[1-2]\n"})
+    sched = SlurmScheduler(runner)
+    now = time.time()
+    refs = [JobRef(j, Path("/r"), 0, now - 10) for j in ("185_0", "185_2", "190", "191")]
+    refs += [JobRef("177", Path("/r"), 0, now - slurm.LOST_GRACE_S - 1), JobRef("178", Path("/r"), 0, now - 5)]
+    obs = sched.poll(refs)
+    assert (obs["185_0"].state, obs["185_0"].nodes, obs["185_0"].history) == (A.RUNNING, "n1,n2", False)
+    assert (obs["185_2"].state, obs["185_2"].reason) == (A.PENDING, "")  # in the unsplit pending record
+    assert obs["190"].state == A.CANCELLED and obs["191"].state == A.TIMEOUT
+    assert obs["177"].state == A.LOST and "no accounting" in obs["177"].reason
+    assert "178" not in obs  # just submitted: not lost before the grace period
+    # decided once: the next poll does not ask sacct again
+    runner.calls.clear()
+    sched.poll(refs)
+    assert [c[0] for c in runner.calls] == ["scontrol", "squeue"]
+    # with accounting, any other sacct failure is the scheduler not answering: never a reason to act
+    with pytest.raises(CommandError):
+        SlurmScheduler(FakeRunner({"sacct": CommandError(["sacct"], 1, "", "Socket timed out")})).poll(refs)

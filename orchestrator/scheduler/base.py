@@ -37,6 +37,8 @@ class Observation:
     # (state, reason, nodes) of the runs that ended, oldest first: a job SLURM requeued
     # by itself (node failure, preemption) is pending again, and this tells why
     ended_runs: tuple[tuple[AttemptState, str, str], ...] = ()
+    # False on a cluster without accounting: the runs before a requeue are not known
+    history: bool = True
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ refresh for every live job of every experiment; ``slurm_parse`` translates it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pwd
@@ -33,7 +34,8 @@ from orchestrator import contract
 from orchestrator.errors import SchedulerError, UserError
 from orchestrator.scheduler import commands
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
-from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_squeue
+from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
+from orchestrator.states import AttemptState
 from orchestrator.spec import slurmtext
 from orchestrator.spec.units import parse_memory_mb
 from orchestrator.submit import fragments
@@ -259,6 +261,7 @@ class SlurmScheduler:
 
     def __init__(self, runner: commands.Runner | None = None):
         self.runner = runner or commands.Runner()
+        self.accounting: bool | None = None  # None: not known yet (sacct answers, or says it is disabled)
 
     def preview(self, plan: Plan) -> dict[str, str]:
         check = self.check(plan) if shutil.which("sbatch") else "not checked: sbatch is not on PATH here"
@@ -306,12 +309,27 @@ class SlurmScheduler:
             return {}
         keys = [r.job_id for r in refs]
         jobs = sorted({parse_job_id(k).job for k in keys}, key=int)
-        sacct = self.runner.query(
-            ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), *since_args(refs), "-j", ",".join(jobs)],
-            timeout=QUERY_TIMEOUT_S,
-        )
+        records = None
+        if self.accounting is not False:
+            try:
+                sacct = self.runner.query(
+                    ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), *since_args(refs), "-j", ",".join(jobs)],
+                    timeout=QUERY_TIMEOUT_S,
+                )
+                records, self.accounting = parse_sacct(sacct.stdout), True
+            except commands.CommandError as exc:
+                if NO_ACCOUNTING not in exc.stderr + exc.stdout:
+                    raise
+                self.accounting = False  # this cluster has none: it will not come back while we run
+        if records is None:  # what the controller still holds of ended jobs (MinJobAge), and the agents' records
+            shown = self.runner.query(["scontrol", "show", "job", "-o"], timeout=QUERY_TIMEOUT_S)
+            records = parse_scontrol_jobs(shown.stdout)
         squeue = self.runner.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
-        return observe(parse_sacct(sacct.stdout), parse_squeue(squeue.stdout), keys, user_of=_user_name)
+        out = observe(records, parse_squeue(squeue.stdout), keys, user_of=_user_name)
+        if self.accounting is False:
+            out = {k: dataclasses.replace(o, history=False) for k, o in out.items()}
+            out.update(lost(refs, out, time.time()))
+        return out
 
     def cancel(self, refs: list[JobRef]) -> None:
         if refs:
@@ -371,7 +389,7 @@ class SlurmScheduler:
         params = contract.read_json(params_path(run_dir)) or {}
         name = f"{params.get('job_name', '')}-{tag}"
         out = self.runner.query(["squeue", "-h", "--me", "-n", name, "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split()
-        if not out:
+        if not out and self.accounting is not False:
             start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
             out = self.runner.query(
                 ["sacct", "-X", "-n", "-P", "-S", start, "--name", name, "-o", "JobID"], timeout=QUERY_TIMEOUT_S
@@ -394,6 +412,21 @@ def _python_words(text) -> str:
     except ValueError:
         words = []
     return shlex.join(words) if words else shlex.quote(sys.executable)
+
+
+NO_ACCOUNTING = "accounting storage is disabled"  # sacct's words on a cluster without slurmdbd
+LOST_GRACE_S = 120.0
+
+
+def lost(refs: list[JobRef], seen: dict[str, Observation], now: float) -> dict[str, Observation]:
+    """Without accounting, a job that squeue and scontrol no longer know (its record aged out
+    of the controller, or the controller lost it) is LOST once it was submitted more than
+    LOST_GRACE_S ago; the agents' end records still decide when they exist."""
+    return {
+        r.job_id: Observation(r.job_id, AttemptState.LOST, None, "SLURM has no record of the job and there is no accounting to ask")
+        for r in refs
+        if r.job_id not in seen and r.submitted_at and now - r.submitted_at > LOST_GRACE_S
+    }
 
 
 def params_path(run_dir: Path) -> Path:

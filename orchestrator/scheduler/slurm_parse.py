@@ -156,6 +156,46 @@ def history(records: list[SacctRecord]) -> dict[str, list[SacctRecord]]:
     return out
 
 
+_SCONTROL_FIELD = re.compile(
+    r"(?:^|\s)(JobId|ArrayJobId|ArrayTaskId|JobState|Reason|ExitCode|NodeList|StartTime|EndTime|Partition)=(\S*)"
+)
+
+
+def parse_scontrol_jobs(text: str) -> list[SacctRecord]:
+    """Lines of ``scontrol show job -o``, as the records sacct would give for the jobs the
+    controller still holds (MinJobAge after they end): for clusters without accounting.
+    Only the current run of each job: the runs before a requeue are gone."""
+    out = []
+    for line in text.splitlines():
+        f = dict(_SCONTROL_FIELD.findall(line))
+        if "JobId" not in f or "JobState" not in f:
+            continue
+        try:
+            if f.get("ArrayJobId") and f.get("ArrayTaskId"):
+                task = f["ArrayTaskId"]
+                key = f"{f['ArrayJobId']}_{task}" if task.isdigit() else f"{f['ArrayJobId']}_[{task}]"
+            else:
+                key = f["JobId"]
+            job_id = parse_job_id(key)
+        except ValueError:
+            log.warning("skipped a scontrol line with a job id it cannot read: %r", line[:200])
+            continue
+        state, by = translate_state(f["JobState"])
+        code, sig = _exit(f.get("ExitCode", ""))
+        nodes_text = f.get("NodeList", "")
+        nodes = () if nodes_text in ("", "(null)", "None") else tuple(expand_hostlist(nodes_text))
+        out.append(
+            SacctRecord(
+                id=job_id, raw_id=f["JobId"], slurm_state=f["JobState"], state=state, cancelled_by=by,
+                exit_code=code if state.ended else None, signal=sig, nodes=nodes,
+                start=None if f.get("StartTime") in (None, "Unknown", "None") else f["StartTime"],
+                end=None if f.get("EndTime") in (None, "Unknown", "None") else f["EndTime"],
+                partition=f.get("Partition", ""),
+            )
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class SqueueRecord:
     id: JobId

@@ -288,6 +288,10 @@ def _requeued_by_scheduler(current: LaunchRecord, obs: Observation) -> Observati
     if obs.ended_runs and (not current.ended or current.exit_code == ExitCode.CANCELLED):
         state, reason, nodes = obs.ended_runs[-1]
         return Observation(obs.job_id, state, None, f"{reason}; SLURM requeued the job", nodes)
+    if not obs.history and (not current.ended or current.exit_code == ExitCode.CANCELLED):
+        # no accounting: nothing tells how the run ended, only that the job waits to run again
+        return Observation(obs.job_id, AttemptState.REQUEUED, None,
+                           "SLURM requeued the job (node failure or preemption: without accounting SLURM keeps no record of which)")
     return None
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator import contract
-from orchestrator.contract import FailureKind, GenerationAction, RequeueBy, TaskConfig, TaskConfigError, envvars
+from orchestrator.contract import ExitCode, FailureKind, GenerationAction, RequeueBy, TaskConfig, TaskConfigError, envvars
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
@@ -239,7 +239,10 @@ class Watcher:
             self.ledger.event(exp["id"], "recovery.hold_kept", f"SLURM refused to release job {attempt['job_id']}'s hold "
                               f"({cut(str(exc), 200)}); it starts at its BeginTime", idx=task["idx"], attempt=attempt["number"])
             return
-        after = "a committed save" if action is None else f"its recovery ({action['kind']})"
+        if action is not None:
+            after = f"its recovery ({action['kind']})"
+        else:
+            after = "a committed save" if attempt.get("exit_code") == ExitCode.REQUEUE else "SLURM requeued it"
         cause = (f"job {attempt['job_id']} was requeued after {after} and held by SLURM until its BeginTime; "
                  "released to start at once (retry.release_hold)")
         if not self.ledger.has_event(exp["id"], "recovery.hold_released", cause, idx=task["idx"]):
