@@ -143,12 +143,51 @@ def test_failed_submission_leaves_nothing():
         assert ledger.db[table].count == 0
 
 
-def test_network_filesystem_warns(tmp_path, monkeypatch, caplog):
+def test_a_ledger_other_hosts_see_uses_a_rollback_journal_and_readers_leave_it_to_the_remote_watcher(tmp_path, monkeypatch):
     from orchestrator.ledger import store
+    from orchestrator.supervise import refresh
 
+    monkeypatch.delenv("ORCHESTRATE_LEDGER_FS", raising=False)
     monkeypatch.setattr(store, "filesystem_type", lambda p: "nfs4")
-    Ledger.open(tmp_path / "l.db").close()
-    assert "network filesystem" in caplog.text
+    ledger = Ledger.open(tmp_path / "l.db")
+    # WAL needs memory shared by every process that opens the file: never across hosts
+    assert ledger.shared and ledger.where == "a nfs4 filesystem"
+    assert ledger.db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    monkeypatch.setattr(store, "filesystem_type", lambda p: "ext4")
+
+    def mode(path):
+        led = Ledger.open(path)
+        try:
+            return led.shared, led.db.execute("PRAGMA journal_mode").fetchone()[0]
+        finally:
+            led.close()
+
+    assert mode(tmp_path / "w.db") == (False, "wal")
+    monkeypatch.setenv("ORCHESTRATE_LEDGER_FS", "network")  # a local disk the compute nodes mount: declared
+    assert mode(tmp_path / "w.db") == (True, "delete")
+
+    ledger.create_experiment({"id": "e1", "name": "a", "executor": "slurm", "spec_path": "s", "run_dir": "/r", "spec": "{}"}, [])
+    ledger.create_experiment({"id": "e2", "name": "b", "executor": "slurm", "spec_path": "s", "run_dir": "/r", "spec": "{}"}, [])
+    assert ledger.acquire_lease("watch:e1", "computenode7:4242:abc", 60)
+    refreshed = []
+    monkeypatch.setattr(refresh, "refresh", lambda led, exps: refreshed.extend(e["id"] for e in exps))
+    refresh.for_reader(ledger, [ledger.experiment("e1"), ledger.experiment("e2")])
+    assert refreshed == ["e2"]  # e1 is kept current by its watcher on another host: the one writer
+    ledger.shared = False
+    refreshed.clear()
+    refresh.for_reader(ledger, [ledger.experiment("e1"), ledger.experiment("e2")])
+    assert refreshed == ["e1", "e2"]
+
+
+def test_the_watcher_job_is_refused_when_the_compute_nodes_cannot_share_the_ledger(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ORCHESTRATE_HOME": str(tmp_path), "ORCHESTRATE_LEDGER_FS": "local"}
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "watch", "--sbatch"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "cannot share the ledger" in out.stderr and "ORCHESTRATE_HOME" in out.stderr and "ORCHESTRATE_LEDGER_FS=network" in out.stderr
 
 
 def test_filesystem_type_reads_mounts():

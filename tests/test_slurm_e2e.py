@@ -135,7 +135,10 @@ def test_cancel_one_pending_task_then_the_rest_with_one_poll_per_refresh(slurm, 
     assert "task.cancel_requested" in events and "RUNNING -> CANCELLED" in events
 
 
-def test_the_watcher_runs_as_a_slurm_job_and_ends_with_its_experiment(slurm, home, tmp_path):
+def test_the_watcher_runs_as_a_slurm_job_and_ends_with_its_experiment(slurm, home, tmp_path, monkeypatch):
+    # the compute nodes of the local cluster are this machine: its disk is the shared filesystem here.
+    # Declared so, the ledger is in its network-filesystem mode (rollback journal, one writing host)
+    monkeypatch.setenv("ORCHESTRATE_LEDGER_FS", "network")
     exp_id = submit(home, "configs/quickstart.yaml", "--executor", "slurm", "--set", "steps=60", "--set", "heartbeat.interval_s=1")
     out = cli("watch", exp_id, "--sbatch", "--interval", "1", "--time", "00:05:00", home=home)
     assert out.returncode == 0, out.stderr
@@ -147,6 +150,7 @@ def test_the_watcher_runs_as_a_slurm_job_and_ends_with_its_experiment(slurm, hom
         assert time.time() < deadline, "the watcher job did not end with its experiment"
         time.sleep(1)
     ledger = Ledger.open(home / "ledger.db")
+    assert ledger.shared and ledger.db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     leases = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "watcher.lease"]
     assert leases, "the watcher job never took the experiment's lease"
     log = (home / "watcher" / f"watch-{job}.log").read_text()

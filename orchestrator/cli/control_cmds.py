@@ -8,6 +8,7 @@ import sys
 from orchestrator import contract
 from orchestrator.cli import render
 from orchestrator.cli.follow import follow_experiment
+from orchestrator.contract import envvars
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
 from orchestrator.scheduler import commands
@@ -53,7 +54,16 @@ def cmd_watch(args) -> int:
 
 
 def _watch_as_job(args, home) -> int:
-    """Submit `orchestrate watch` as a one-CPU SLURM job (the script holds only quoted argv)."""
+    """Submit `orchestrate watch` as a one-CPU SLURM job (the script holds only quoted argv).
+    The job's node must see the ledger: only a ledger on a shared (network) filesystem will do."""
+    ledger = access.open_ledger(home)
+    if not ledger.shared:
+        raise UserError(
+            f"the watcher job would run on a compute node, which cannot share the ledger in {home} ({ledger.where}: "
+            "a disk of this machine, in WAL mode that works on one host only). Set ORCHESTRATE_HOME to a folder on the "
+            "shared filesystem the compute nodes see (where workdir is), or run `orchestrate watch` here "
+            f"(in tmux or screen). If the compute nodes do see this folder, say so: {envvars.LEDGER_FS}=network."
+        )
     argv = [sys.executable, "-m", "orchestrator", "--home", str(home), "watch", "--interval", str(args.interval)]
     if args.experiment:
         argv.append(args.experiment)

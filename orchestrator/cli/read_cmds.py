@@ -26,7 +26,7 @@ def cmd_status(args) -> int:
     exps = access.resolve_experiment(ledger, args.experiment)
     if args.experiment and not args.all:
         exps = exps[:1]
-    refresh.refresh(ledger, exps)
+    refresh.for_reader(ledger, exps)
     exps = [ledger.experiment(e["id"]) for e in exps]
     doc = render.status_document(ledger, exps)
     if args.json:
@@ -42,7 +42,7 @@ def cmd_status(args) -> int:
 def cmd_events(args) -> int:
     ledger = access.open_ledger(access.home_dir(args.home))
     exp = access.resolve_experiment(ledger, args.experiment)[0]
-    refresh.refresh(ledger, [exp])
+    refresh.for_reader(ledger, [exp])
     events = ledger.events(exp["id"])
     if args.json:
         print(json.dumps(render.json_safe(events), indent=2))
@@ -67,7 +67,7 @@ def cmd_logs(args) -> int:
             raise UserError(f"no log for task {args.task} rank {args.rank} yet ({path}); the task may not have started")
         if not args.follow:
             return 0
-        refresh.refresh(ledger, [ledger.experiment(exp["id"])])
+        refresh.for_reader(ledger, [ledger.experiment(exp["id"])])
         if TaskState(ledger.task(exp["id"], args.task)["state"]).terminal:
             time.sleep(0.2)
             if path.exists() and path.stat().st_size == pos:

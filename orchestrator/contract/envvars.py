@@ -1,6 +1,7 @@
 """Names of the environment variables the two sides pass each other (and users set)."""
 
 HOME = "ORCHESTRATE_HOME"  # the ledger's folder (login side)
+LEDGER_FS = "ORCHESTRATE_LEDGER_FS"  # network|local: where the ledger is, when /proc/mounts cannot tell (login side)
 SITE = "ORCHESTRATE_SITE"  # the site's defaults file (login side); empty: none
 TEMPLATES = "ORCHESTRATE_TEMPLATES"  # a folder of the user's own sbatch fragments
 RUN_DIR = "ORCHESTRATE_RUN_DIR"  # exported by the batch script's common fragment

@@ -31,6 +31,16 @@ log = logging.getLogger(__name__)
 NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smbfs", "smb3", "beegfs", "ceph", "fuse.glusterfs", "glusterfs", "panfs", "fuse.sshfs", "wekafs"}
 
 
+def ledger_shared(folder: str | os.PathLike) -> tuple[bool, str]:
+    """Whether the ledger's folder is one that other hosts see (a network filesystem: then
+    a compute node's watcher and the login node share it), and how we know."""
+    declared = os.environ.get(envvars.LEDGER_FS, "")
+    if declared in ("network", "local"):
+        return declared == "network", f"{envvars.LEDGER_FS}={declared}"
+    fstype = filesystem_type(folder)
+    return fstype in NETWORK_FS, f"a {fstype or 'unknown'} filesystem"
+
+
 def filesystem_type(path: str | os.PathLike) -> str | None:
     """The type of the filesystem holding ``path``, from /proc/mounts (longest mount prefix)."""
     try:
@@ -74,6 +84,7 @@ class Ledger:
         self.db = db
         self.clock = clock
         self.strict = os.environ.get(envvars.STRICT_TRANSITIONS) == "1" if strict is None else strict
+        self.shared, self.where = False, "memory"  # on a filesystem other hosts see (``ledger_shared``)
 
     # ------------------------------------------------------------ opening
 
@@ -86,21 +97,28 @@ class Ledger:
             conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False)
         except (OSError, sqlite3.Error) as exc:
             raise UserError(f"cannot open the ledger at '{path}': {exc}; set ORCHESTRATE_HOME to a writable folder") from None
-        fstype = filesystem_type(path.parent)
-        if fstype in NETWORK_FS:
-            log.warning(
-                "the ledger %s is on a %s network filesystem; SQLite locking there is unreliable. "
-                "Set ORCHESTRATE_HOME to a local disk of the login node.",
-                path,
-                fstype,
-            )
+        shared, where = ledger_shared(path.parent)
         db = sqlite_utils.Database(conn)
         conn.execute("PRAGMA busy_timeout = 30000")
         conn.execute("PRAGMA foreign_keys = ON")
-        if fstype not in NETWORK_FS:
-            db.enable_wal()  # readers never block the writer
+        try:
+            if shared:
+                # WAL needs shared memory between the processes that open the database: never
+                # across hosts. A rollback journal works with the filesystem's byte-range locks,
+                # and the watcher's lease keeps the writers to one (readers do not refresh)
+                conn.execute("PRAGMA journal_mode = DELETE")
+                conn.execute("PRAGMA synchronous = FULL")
+            else:
+                db.enable_wal()  # readers never block the writer
+        except sqlite3.OperationalError as exc:  # the other mode, held by a process that has it open
+            conn.close()
+            mode = "a rollback journal (shared filesystem)" if shared else "WAL (one host)"
+            raise UserError(f"cannot open the ledger at '{path}' in {mode} ({where}): {exc}; another process has it open "
+                            f"in the other mode: stop it, or set {envvars.LEDGER_FS} alike for every process") from None
         migrate(db)
-        return cls(db, clock)
+        ledger = cls(db, clock)
+        ledger.shared, ledger.where = shared, where
+        return ledger
 
     @classmethod
     def memory(cls, clock: Callable[[], float] = time.time, strict: bool | None = None) -> "Ledger":

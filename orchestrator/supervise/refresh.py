@@ -11,6 +11,7 @@ once (``badrecords``), and anything else one task raises becomes an event of tha
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,22 @@ def refresh(
         except Exception as exc:
             task_failed(ledger, item, exc)
     return observations if answered else None
+
+
+def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
+    """A read command's refresh: of the experiments no watcher on another host keeps current.
+    On a ledger other hosts see (a watcher in a SLURM job), that watcher is the one writer:
+    a login node refreshing at the same time would be a second host writing SQLite over the
+    network filesystem."""
+    if ledger.shared:
+        here = socket.gethostname()
+        experiments = [e for e in experiments if not _watched_elsewhere(ledger, e["id"], here)]
+    refresh(ledger, experiments)
+
+
+def _watched_elsewhere(ledger: Ledger, exp_id: str, here: str) -> bool:
+    lease = ledger.lease(f"watch:{exp_id}")
+    return lease is not None and str(lease["owner"]).split(":", 1)[0] != here
 
 
 def refresh_task(ledger: Ledger, item: LiveTask, observations: dict[str, Observation], caps, now: float) -> None:
