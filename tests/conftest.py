@@ -175,3 +175,13 @@ def wait_for_step(task_dir, step: int, timeout: float = 120) -> None:
     while max((m["step"] for m in task_metrics(task_dir)), default=0) < step:
         assert time.time() < deadline, f"training did not reach step {step}"
         time.sleep(0.2)
+
+
+def restart_local_cluster(**variant: str) -> None:
+    """`scripts/slurm-local down` then `up` with ``variant`` (SLURM_LOCAL_ACCOUNTING=none,
+    SLURM_LOCAL_MAX_ARRAY_SIZE=10, ...); without one, the cluster every other test uses."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_LOCAL_ACCOUNTING", "SLURM_LOCAL_MAX_ARRAY_SIZE")}
+    for cmd in ("down", "up"):
+        out = subprocess.run([str(REPO / "scripts" / "slurm-local"), cmd], env={**env, **variant}, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr

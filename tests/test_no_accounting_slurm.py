@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SLURM_BASE, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
+from conftest import REPO, SLURM_BASE, cli, restart_local_cluster, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
 from test_faults_slurm import SMALL
 from orchestrator import contract
 from orchestrator.ledger import Ledger
@@ -21,21 +21,14 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 STEPS = 600
 
 
-def cluster(accounting: str) -> None:
-    env = {**os.environ, "SLURM_LOCAL_ACCOUNTING": accounting}
-    for cmd in ("down", "up"):
-        out = subprocess.run([str(REPO / "scripts" / "slurm-local"), cmd], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout + out.stderr
-
-
 @pytest.fixture(scope="module")
 def no_accounting():
     """The local cluster restarted without slurmdbd; with it again afterwards."""
-    cluster("none")
+    restart_local_cluster(SLURM_LOCAL_ACCOUNTING="none")
     try:
         yield
     finally:
-        cluster("slurmdbd")
+        restart_local_cluster()
 
 
 def test_without_accounting_a_kill_a_node_down_a_time_limit_and_a_scancel_each_end_as_designed(no_accounting, slurm, home, tmp_path):

@@ -161,3 +161,28 @@ def test_a_resubmission_reads_the_saved_python_back_as_plain_words():
     assert _python_words("a\nb") == "a b"  # a line break is only a space between words
     for damaged in (None, 42, "", "'unterminated"):
         assert _python_words(damaged) == sys.executable
+
+
+def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_submit_limit_is_refused_clearly(tmp_path):
+    from test_scheduler import FakeRunner
+
+    from orchestrator.errors import UserError
+    from orchestrator.scheduler.slurm import SlurmScheduler, array_chunks, parse_config_limits, parse_max_submit
+
+    assert parse_config_limits("MaxArraySize            = 10\nMaxJobCount             = 10000\nMaxStepCount = 40000\n") == {
+        "MaxArraySize": 10, "MaxJobCount": 10000}
+    assert parse_max_submit("\n12\n\n", "normal|\nbig|50\n", "normal") == 12  # the association's
+    assert parse_max_submit("", "normal|8\nbig|50\n", "normal") == 8  # the QOS's per user
+    assert parse_max_submit("", "", "normal") is None
+    assert [list(r) for r in array_chunks(25, 10)] == [list(range(10)), list(range(10, 20)), list(range(20, 25))]
+    assert array_chunks(4, None) == [range(0, 4)] and array_chunks(1, 1001) == [range(0, 1)]
+
+    plan = plan_of(tmp_path, (REPO / "configs" / "sweep.yaml").read_text())  # 4 tasks, max_parallel 2
+    config = "MaxArraySize = 3\nMaxJobCount = 10000\n"
+    chunks, words = SlurmScheduler(FakeRunner({"scontrol show config": config})).arrays(plan)
+    assert [len(c) for c in chunks] == [3, 1] and "split into 2 arrays" in words and "at most 2 run at once" in words
+    with pytest.raises(UserError) as err:
+        SlurmScheduler(FakeRunner({"scontrol show config": config, "sacctmgr -n -P show assoc": "3\n"})).arrays(plan)
+    assert "the sweep has 4 tasks and SLURM lets you queue at most 3 jobs (MaxSubmitJobs" in str(err.value)
+    # a site that tells nothing: one array, as before
+    assert SlurmScheduler(FakeRunner()).arrays(plan) == ([range(0, 4)], "")

@@ -59,9 +59,9 @@ class Scheduler(Protocol):
     name: str
     capabilities: Capabilities
 
-    def check(self, plan: Plan) -> str:
-        """Would the scheduler take this plan? Returns its estimate; raises SchedulerError
-        (with the spec field to change) when it would refuse."""
+    def check(self, plan: Plan, tasks: int | None = None) -> str:
+        """Would the scheduler take this plan (its first ``tasks`` when it goes out in parts)?
+        Returns its estimate; raises SchedulerError (with the spec field to change) when it would refuse."""
 
     def preview(self, plan: Plan) -> dict[str, str]:
         """What ``submit --dry-run`` shows beyond the plan (SLURM: the exact batch script

@@ -87,7 +87,7 @@ class LocalScheduler:
     def preview(self, plan: Plan) -> dict[str, str]:
         return {}
 
-    def check(self, plan: Plan) -> str:
+    def check(self, plan: Plan, tasks: int | None = None) -> str:
         return f"{len(plan.tasks)} task(s) would start at once on this machine" if not plan.max_parallel else (
             f"{len(plan.tasks)} task(s), at most {plan.max_parallel} at once, on this machine")
 

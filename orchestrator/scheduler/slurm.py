@@ -193,18 +193,59 @@ def submit_command(python: str, folder: Path) -> str:
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def render_batch_script(plan: Plan, python: str = sys.executable) -> str:
+def render_batch_script(plan: Plan, python: str = sys.executable, tasks: int | None = None) -> str:
     """The exact batch script of the plan's job array (a single job for one task,
-    as submitit submits it)."""
+    as submitit submits it); ``tasks``: of an array of that many (a sweep split to fit MaxArraySize)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    n = len(plan.tasks)
+    n = len(plan.tasks) if tasks is None else tasks
+    params = batch_parameters(plan)
+    params["array_parallelism"] = min(params["array_parallelism"], n)
     return _make_sbatch_string(
         command=submit_command(python_command(plan, python), submitit_folder(plan)),
         folder=submitit_folder(plan),
         map_count=n if n > 1 else None,
-        **batch_parameters(plan),
+        **params,
     )
+
+
+# ---------------------------------------------------------------- site limits
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteLimits:
+    max_array_size: int | None = None  # MaxArraySize: array indices 0..N-1
+    max_job_count: int | None = None  # MaxJobCount: jobs the controller holds, everyone's
+    max_submit: int | None = None  # MaxSubmitJobs of the user's association or QOS: queued jobs (each array task one)
+    where: str = ""
+
+
+def parse_config_limits(text: str) -> dict[str, int]:
+    """MaxArraySize and MaxJobCount from ``scontrol show config``."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if key in ("MaxArraySize", "MaxJobCount") and value.isdigit():
+            out[key] = int(value)
+    return out
+
+
+def parse_max_submit(assoc: str, qos: str, qos_name: str) -> int | None:
+    """The smallest MaxSubmitJobs of the user's associations (``sacctmgr -n -P show assoc
+    format=MaxSubmit``) and MaxSubmitJobsPerUser of the job's QOS (``format=Name,MaxSubmitPU``)."""
+    values = [int(v) for v in assoc.split() if v.isdigit()]
+    for line in qos.splitlines():
+        name, _, limit = line.partition("|")
+        if name.strip() == qos_name and limit.strip().isdigit():
+            values.append(int(limit.strip()))
+    return min(values) if values else None
+
+
+def array_chunks(n: int, max_array_size: int | None) -> list[range]:
+    """Task positions 0..n-1 as arrays SLURM takes: at most MaxArraySize tasks each."""
+    size = max(1, max_array_size or n or 1)
+    return [range(i, min(n, i + size)) for i in range(0, n, size)]
 
 
 # ---------------------------------------------------------------- refusals, in the spec's words
@@ -264,14 +305,17 @@ class SlurmScheduler:
         self.accounting: bool | None = None  # None: not known yet (sacct answers, or says it is disabled)
 
     def preview(self, plan: Plan) -> dict[str, str]:
-        check = self.check(plan) if shutil.which("sbatch") else "not checked: sbatch is not on PATH here"
-        return {"sbatch_script": render_batch_script(plan), "slurm_check": check}
+        if not shutil.which("sbatch"):
+            return {"sbatch_script": render_batch_script(plan), "slurm_check": "not checked: sbatch is not on PATH here"}
+        chunks, split = self.arrays(plan)
+        check = self.check(plan, len(chunks[0])) + (f"; {split}; the script of the first array" if split else "")
+        return {"sbatch_script": render_batch_script(plan, tasks=len(chunks[0])), "slurm_check": check}
 
-    def check(self, plan: Plan) -> str:
-        """``sbatch --test-only`` on the plan's script; returns SLURM's estimate
-        (when and where it would start) or raises SchedulerError with the fix."""
+    def check(self, plan: Plan, tasks: int | None = None) -> str:
+        """``sbatch --test-only`` on the plan's script (of its first array, ``tasks`` long, when
+        the sweep is split); returns SLURM's estimate or raises SchedulerError with the fix."""
         with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="orchestrate-") as fh:
-            fh.write(render_batch_script(plan))
+            fh.write(render_batch_script(plan, tasks=tasks))
             fh.flush()
             try:
                 out = self.runner.run(["sbatch", "--test-only", fh.name], timeout=CHECK_TIMEOUT_S)
@@ -281,28 +325,80 @@ class SlurmScheduler:
                 raise SchedulerError(explain_refusal(exc.stderr + exc.stdout, plan)) from None
         return " ".join((out.stderr + out.stdout).split()).removeprefix("sbatch: ")
 
+    def site_limits(self, qos: str | None) -> SiteLimits:
+        """What the site caps (once per submission); a limit SLURM does not tell is None."""
+        try:
+            config = parse_config_limits(self.runner.query(["scontrol", "show", "config"], timeout=QUERY_TIMEOUT_S).stdout)
+        except commands.CommandError:
+            config = {}
+        max_submit = None
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+            assoc = self.runner.query(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={user}", "format=MaxSubmit"],
+                                      timeout=QUERY_TIMEOUT_S).stdout
+            qos_text = self.runner.query(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU"], timeout=QUERY_TIMEOUT_S).stdout
+            max_submit = parse_max_submit(assoc, qos_text, qos or "normal")
+        except (commands.CommandError, KeyError):
+            pass  # no accounting, or sacctmgr not here: SLURM refuses at sbatch if it has a limit
+        return SiteLimits(config.get("MaxArraySize"), config.get("MaxJobCount"), max_submit)
+
+    def arrays(self, plan: Plan) -> tuple[list[range], str]:
+        """The plan's tasks as the arrays the site takes, and words saying so; refuses a
+        sweep larger than the jobs the site lets one queue."""
+        n = len(plan.tasks)
+        limits = self.site_limits(plan.resources.qos)
+        for what, limit in (("MaxSubmitJobs", limits.max_submit), ("MaxJobCount", limits.max_job_count)):
+            if limit is not None and n > limit:
+                raise UserError(
+                    f"the sweep has {n} tasks and SLURM lets you queue at most {limit} jobs ({what}; each array task is a job): "
+                    "split the sweep into several specs (sweep.points), or ask your site to raise the limit"
+                )
+        chunks = array_chunks(n, limits.max_array_size)
+        if len(chunks) == 1:
+            return chunks, ""
+        words = f"split into {len(chunks)} arrays of at most {len(chunks[0])} tasks (MaxArraySize {limits.max_array_size})"
+        if plan.max_parallel:
+            words += f", each starting once the one before has ended, so that at most {plan.max_parallel} run at once"
+        return chunks, words
+
     def submit(self, plan: Plan) -> dict[int, str]:
         import submitit
         from submitit.core.utils import FailedJobError
 
         from train_entry.agent import submitit_entry
 
-        self.check(plan)  # also fails fast, with a timeout, when the controller does not answer
+        chunks, _ = self.arrays(plan)
+        self.check(plan, len(chunks[0]))  # also fails fast, with a timeout, when the controller does not answer
         python = python_command(plan)
         try:
             executor = submitit.SlurmExecutor(folder=submitit_folder(plan), python=python)
         except RuntimeError:
             raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
         params = batch_parameters(plan)
-        executor.update_parameters(**params)
         # what a resubmission of one task reuses
         contract.atomic_write_json(params_path(plan.run_dir), {**params, PYTHON_KEY: python})
         tasks = sorted(plan.tasks, key=lambda t: t.index)
+        out: dict[int, str] = {}
+        arrays: list[str] = []
         try:
-            jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in tasks])
-        except FailedJobError as exc:
-            raise SchedulerError(explain_refusal(str(exc), plan)) from None
-        return {t.index: job.job_id for t, job in zip(tasks, jobs)}
+            for chunk in chunks:
+                part = [tasks[i] for i in chunk]
+                extra = dict(params["additional_parameters"])
+                if arrays and plan.max_parallel:
+                    # one max_parallel budget across arrays: each array starts once the one before ended
+                    extra["dependency"] = f"afterany:{arrays[-1]}"
+                executor.update_parameters(**{**params, "array_parallelism": min(params["array_parallelism"], len(part)),
+                                              "additional_parameters": extra})
+                jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in part])
+                arrays.append(parse_job_id(jobs[0].job_id).job)
+                out.update({t.index: job.job_id for t, job in zip(part, jobs)})
+        except BaseException as exc:
+            if arrays:  # all or nothing: the arrays already queued go too
+                self.runner.run(["scancel", *arrays], timeout=QUERY_TIMEOUT_S, check=False)
+            if isinstance(exc, FailedJobError):
+                raise SchedulerError(explain_refusal(str(exc), plan)) from None
+            raise
+        return out
 
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
         if not refs:
