@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
+from conftest import REPO, SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 

@@ -45,7 +45,8 @@ def test_a_save_beats_only_while_it_advances_and_a_stalled_one_gets_the_training
 
     hb, folder = Beats(), tmp_path / ".tmp-step-7"
     folder.mkdir()
-    with SaveProgress(hb, 7, folder, interval_s=0.05) as progress:
+    (tmp_path / "step-000000005").mkdir()  # a committed checkpoint: not a save in progress
+    with SaveProgress(hb, 7, tmp_path, interval_s=0.05) as progress:
         assert hb.beats == [(7, "writing")]  # the save's clock starts at once
         time.sleep(0.3)
         assert len(hb.beats) == 1  # nothing written, no stage passed: silent, as a stuck step is
@@ -54,7 +55,14 @@ def test_a_save_beats_only_while_it_advances_and_a_stalled_one_gets_the_training
         assert len(hb.beats) == 2  # the folder grew
         progress.advance()
         time.sleep(0.3)
-        assert len(hb.beats) == 3  # a stage passed (a file hashed)
+        assert len(hb.beats) == 3  # a stage passed (a block hashed)
+        (tmp_path / "step-000000005" / "big").write_bytes(b"x" * 100)
+        time.sleep(0.3)
+        assert len(hb.beats) == 3  # a committed folder is no progress
+        (tmp_path / ".tmp-step-6").mkdir()
+        (tmp_path / ".tmp-step-6" / "shard").write_bytes(b"x" * 10)
+        time.sleep(0.3)
+        assert len(hb.beats) == 4  # an earlier asynchronous save this one waits for: progress too
     assert set(hb.beats) == {(7, "writing")}
 
     cfg = HbConfig(interval_s=1.0, timeout_s=4.0, save_timeout_s=1800.0)

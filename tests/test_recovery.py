@@ -140,9 +140,11 @@ def test_only_a_job_requeued_after_a_save_and_held_until_its_begin_time_is_relea
     from orchestrator.scheduler.base import Observation
     from orchestrator.states import AttemptState as A
 
-    saved = {"state": "REQUEUED", "failure": "preemption"}
+    saved = {"state": "REQUEUED", "failure": "preemption", "exit_code": 75}
     held = Observation("7", A.PENDING, reason="BeginTime")
     assert recovery.hold_to_release(saved, held, Retry(), None, 100.0)
+    # requeued by SLURM itself, unexplained (no accounting): SLURM's hold stays, a failing node is slowed down
+    assert not recovery.hold_to_release({"state": "REQUEUED", "failure": None, "exit_code": None}, held, Retry(), None, 100.0)
     assert not recovery.hold_to_release(saved, held, Retry(release_hold=False), None, 100.0)  # the site forbids it
     assert not recovery.hold_to_release(saved, Observation("7", A.PENDING, reason="Priority"), Retry(), None, 100.0)  # queued, not held
     assert not recovery.hold_to_release(saved, Observation("7", A.RUNNING), Retry(), None, 100.0)
@@ -174,9 +176,25 @@ def test_a_job_slurm_can_never_start_gets_its_oldest_exclusion_lifted_or_fails_c
     never = Observation("7_1", A.PENDING, reason="BadConstraints")
     v = recovery.unschedulable(never, ["n3", "n1"])
     assert v.lift == "n3" and "allowing n3 again, the oldest exclusion" in v.cause and "BadConstraints" in v.cause
+    # the reason read soon after a lift may be the one from before it: wait for SLURM's next pass
+    assert recovery.unschedulable(never, ["n1"], since_last_lift_s=recovery.LIFT_WAIT_S - 1) is None
+    assert recovery.unschedulable(never, ["n1"], since_last_lift_s=recovery.LIFT_WAIT_S + 1).lift == "n1"
+    assert recovery.unschedulable(never, [], since_last_lift_s=5.0) is None
     v = recovery.unschedulable(never, [])
     assert v.lift is None and "can never start job 7_1" in v.cause and "resources.nodes" in v.cause
     # waiting for nodes that are busy or down is SLURM's business, not ours
     for reason in ("Resources", "Priority", "ReqNodeNotAvail, UnavailableNodes:n3", "BeginTime"):
         assert recovery.unschedulable(Observation("7_1", A.PENDING, reason=reason), ["n3"]) is None
     assert recovery.unschedulable(Observation("7_1", A.RUNNING), ["n3"]) is None and recovery.unschedulable(None, ["n3"]) is None
+
+
+def test_a_recovery_keeps_the_specs_own_excluded_nodes_when_it_replaces_the_jobs_list():
+    import json
+
+    from orchestrator.supervise.watcher import spec_exclude, with_spec_exclude
+
+    exp = {"spec": json.dumps({"resources": {"exclude": ["g007", "g001"]}})}
+    assert spec_exclude(exp) == ["g007", "g001"]
+    assert with_spec_exclude(exp, ["n3"]) == ["g001", "g007", "n3"]
+    assert with_spec_exclude(exp, []) == []  # nothing to exclude: no update, the job keeps its list
+    assert spec_exclude({"spec": "not json"}) == [] and spec_exclude({"spec": json.dumps({"resources": {"exclude": [1]}})}) == []

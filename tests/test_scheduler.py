@@ -141,12 +141,14 @@ def test_without_accounting_the_poll_reads_the_controller_and_a_job_nobody_knows
     now = time.time()
     refs = [JobRef(j, Path("/r"), 0, now - 10) for j in ("185_0", "185_2", "190", "191")]
     refs += [JobRef("177", Path("/r"), 0, now - slurm.LOST_GRACE_S - 1), JobRef("178", Path("/r"), 0, now - 5)]
+    refs += [JobRef("185_7", Path("/r"), 0, now - slurm.LOST_GRACE_S - 1)]  # gone from its array: aged out, not cancelled
     obs = sched.poll(refs)
     assert (obs["185_0"].state, obs["185_0"].nodes, obs["185_0"].history) == (A.RUNNING, "n1,n2", False)
     assert (obs["185_2"].state, obs["185_2"].reason) == (A.PENDING, "")  # in the unsplit pending record
     assert obs["190"].state == A.CANCELLED and obs["191"].state == A.TIMEOUT
     assert obs["177"].state == A.LOST and "no accounting" in obs["177"].reason
     assert "178" not in obs  # just submitted: not lost before the grace period
+    assert obs["185_7"].state == A.LOST
     # decided once: the next poll does not ask sacct again
     runner.calls.clear()
     sched.poll(refs)

@@ -169,8 +169,8 @@ def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_submit_limit_is_re
     from orchestrator.errors import UserError
     from orchestrator.scheduler.slurm import SlurmScheduler, array_chunks, parse_config_limits, parse_max_submit
 
-    assert parse_config_limits("MaxArraySize            = 10\nMaxJobCount             = 10000\nMaxStepCount = 40000\n") == {
-        "MaxArraySize": 10, "MaxJobCount": 10000}
+    assert parse_config_limits("ClusterName = hpc1\nMaxArraySize            = 10\nMaxJobCount             = 10000\nMaxStepCount = 40000\n") == {
+        "ClusterName": "hpc1", "MaxArraySize": 10, "MaxJobCount": 10000}
     assert parse_max_submit("\n12\n\n", "normal|\nbig|50\n", "normal") == 12  # the association's
     assert parse_max_submit("", "normal|8\nbig|50\n", "normal") == 8  # the QOS's per user
     assert parse_max_submit("", "", "normal") is None
@@ -186,3 +186,8 @@ def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_submit_limit_is_re
     assert "the sweep has 4 tasks and SLURM lets you queue at most 3 jobs (MaxSubmitJobs" in str(err.value)
     # a site that tells nothing: one array, as before
     assert SlurmScheduler(FakeRunner()).arrays(plan) == ([range(0, 4)], "")
+    # only this cluster's associations are asked (and the spec's QOS only when it names one)
+    runner = FakeRunner({"scontrol show config": "ClusterName = hpc1\n"})
+    SlurmScheduler(runner).arrays(plan)
+    [assoc] = [c for c in runner.calls if c[:5] == ["sacctmgr", "-n", "-P", "show", "assoc"]]
+    assert "cluster=hpc1" in assoc and not any(c[4] == "qos" for c in runner.calls if c[0] == "sacctmgr")

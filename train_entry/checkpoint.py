@@ -96,9 +96,7 @@ def _hash_share(folder: Path, names: list[str], rank: int, world: int, progress:
         path = folder / name
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
-        out[name] = {"size": path.stat().st_size, "sha256": contract.file_sha256(path)}
-        if progress:
-            progress()
+        out[name] = {"size": path.stat().st_size, "sha256": contract.file_sha256(path, progress=progress)}
     return out
 
 

@@ -37,7 +37,9 @@ def folder_bytes(folder: Path) -> int:
 
 
 class SaveProgress:
-    """``with SaveProgress(hb, step, folder):`` around a blocking save; ``advance()`` marks a stage."""
+    """``with SaveProgress(hb, step, folder):`` around a blocking save; ``advance()`` marks a stage.
+    ``folder``: the checkpoints folder; every save in progress in it counts (an asynchronous
+    save of an earlier step that this one waits for, too)."""
 
     def __init__(self, hb, step: int, folder: Path, interval_s: float):
         self.hb, self.step, self.folder, self.interval_s = hb, step, folder, interval_s
@@ -57,10 +59,18 @@ class SaveProgress:
         self._stop.set()
         self._thread.join()
 
+    def _written(self) -> int:
+        try:
+            with os.scandir(self.folder) as entries:
+                saving = [e.path for e in entries if e.name.startswith(contract.TMP_PREFIX) and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return 0
+        return sum(folder_bytes(Path(p)) for p in saving)
+
     def _watch(self) -> None:
-        last = (self.stages, folder_bytes(self.folder))
+        last = (self.stages, self._written())
         while not self._stop.wait(self.interval_s):
-            mark = (self.stages, folder_bytes(self.folder))
+            mark = (self.stages, self._written())
             if mark != last and not self._stop.is_set():
                 last = mark
                 self.hb.beat(self.step, contract.Phase.WRITING, force=True)

@@ -207,7 +207,7 @@ class Loop:
         from train_entry import resume_check
         from train_entry.save_progress import SaveProgress
 
-        folder = contract.checkpoint_tmp(self.session.task_dir, self.step)
+        folder = contract.checkpoints_dir(self.session.task_dir)
         with SaveProgress(self.hb, self.step, folder, self.cfg.heartbeat.interval_s) as progress:
             w = self.workload
             # what the resume check compares: the step's loss, and the next step's first micro-batch's

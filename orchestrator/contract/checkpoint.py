@@ -85,9 +85,10 @@ def open_regular(path: str | os.PathLike) -> int:
     return fd
 
 
-def file_sha256(path: str | os.PathLike, limit: int | None = None) -> str:
+def file_sha256(path: str | os.PathLike, limit: int | None = None, progress=None) -> str:
     """sha256 of a regular file (ValueError for anything else), reading at most ``limit`` + 1
-    bytes: a file that grew past what the manifest says never keeps the reader going."""
+    bytes: a file that grew past what the manifest says never keeps the reader going.
+    ``progress()`` is called after each block (a save's progress beats on it)."""
     h = hashlib.sha256()
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as fh:
@@ -97,6 +98,8 @@ def file_sha256(path: str | os.PathLike, limit: int | None = None) -> str:
             if not block:
                 break
             h.update(block)
+            if progress is not None:
+                progress()
             if left is not None:
                 left -= len(block)
     return h.hexdigest()

@@ -20,9 +20,11 @@ refresh for every live job of every experiment; ``slurm_parse`` translates it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import pwd
+import re
 import shlex
 import shutil
 import sys
@@ -40,6 +42,8 @@ from orchestrator.spec import slurmtext
 from orchestrator.spec.units import parse_memory_mb
 from orchestrator.submit import fragments
 from orchestrator.submit.plan import Plan
+
+log = logging.getLogger(__name__)
 
 QUERY_TIMEOUT_S = 30
 PYTHON_KEY = "_python"  # in sbatch-parameters.json: the shell words that start Python on the nodes
@@ -102,6 +106,12 @@ def container_mounts(plan: Plan) -> list[str]:
             value = getattr(section, key, None)
             if isinstance(value, str) and value.startswith("/"):
                 paths.append(value if key in ("cwd",) or os.path.isdir(value) else os.path.dirname(value))
+    for p in paths:
+        try:
+            slurmtext.mount_text(p)
+        except ValueError as exc:
+            raise UserError(f"resources.container: cannot mount {exc}; move it to a path without ',' "
+                            "or mount its folder yourself with container.mounts") from None
     return list(dict.fromkeys([*paths, *plan.resources.container.mounts]))
 
 
@@ -220,14 +230,16 @@ class SiteLimits:
     where: str = ""
 
 
-def parse_config_limits(text: str) -> dict[str, int]:
-    """MaxArraySize and MaxJobCount from ``scontrol show config``."""
-    out = {}
+def parse_config_limits(text: str) -> dict:
+    """MaxArraySize and MaxJobCount (and the ClusterName they are of) from ``scontrol show config``."""
+    out: dict = {}
     for line in text.splitlines():
         key, _, value = line.partition("=")
         key, value = key.strip(), value.strip()
         if key in ("MaxArraySize", "MaxJobCount") and value.isdigit():
             out[key] = int(value)
+        elif key == "ClusterName" and re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
+            out[key] = value
     return out
 
 
@@ -325,7 +337,7 @@ class SlurmScheduler:
                 raise SchedulerError(explain_refusal(exc.stderr + exc.stdout, plan)) from None
         return " ".join((out.stderr + out.stdout).split()).removeprefix("sbatch: ")
 
-    def site_limits(self, qos: str | None) -> SiteLimits:
+    def site_limits(self, qos: str | None, account: str | None = None) -> SiteLimits:
         """What the site caps (once per submission); a limit SLURM does not tell is None."""
         try:
             config = parse_config_limits(self.runner.query(["scontrol", "show", "config"], timeout=QUERY_TIMEOUT_S).stdout)
@@ -334,10 +346,14 @@ class SlurmScheduler:
         max_submit = None
         try:
             user = pwd.getpwuid(os.getuid()).pw_name
-            assoc = self.runner.query(["sacctmgr", "-n", "-P", "show", "assoc", f"where user={user}", "format=MaxSubmit"],
+            where = [f"user={user}"] + ([f"cluster={config['ClusterName']}"] if config.get("ClusterName") else [])
+            where += [f"account={account}"] if account else []
+            assoc = self.runner.query(["sacctmgr", "-n", "-P", "show", "assoc", "where", *where, "format=MaxSubmit"],
                                       timeout=QUERY_TIMEOUT_S).stdout
-            qos_text = self.runner.query(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU"], timeout=QUERY_TIMEOUT_S).stdout
-            max_submit = parse_max_submit(assoc, qos_text, qos or "normal")
+            # a QOS only when the spec names it: the user's default QOS is the association's business
+            qos_text = self.runner.query(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxSubmitPU"],
+                                         timeout=QUERY_TIMEOUT_S).stdout if qos else ""
+            max_submit = parse_max_submit(assoc, qos_text, qos or "")
         except (commands.CommandError, KeyError):
             pass  # no accounting, or sacctmgr not here: SLURM refuses at sbatch if it has a limit
         return SiteLimits(config.get("MaxArraySize"), config.get("MaxJobCount"), max_submit)
@@ -346,7 +362,7 @@ class SlurmScheduler:
         """The plan's tasks as the arrays the site takes, and words saying so; refuses a
         sweep larger than the jobs the site lets one queue."""
         n = len(plan.tasks)
-        limits = self.site_limits(plan.resources.qos)
+        limits = self.site_limits(plan.resources.qos, plan.resources.account)
         for what, limit in (("MaxSubmitJobs", limits.max_submit), ("MaxJobCount", limits.max_job_count)):
             if limit is not None and n > limit:
                 raise UserError(
@@ -386,7 +402,8 @@ class SlurmScheduler:
                 extra = dict(params["additional_parameters"])
                 if arrays and plan.max_parallel:
                     # one max_parallel budget across arrays: each array starts once the one before ended
-                    extra["dependency"] = f"afterany:{arrays[-1]}"
+                    # (and after whatever the spec's own dependency waits for: ',' is AND)
+                    extra["dependency"] = ",".join(filter(None, [str(extra.get("dependency") or ""), f"afterany:{arrays[-1]}"]))
                 executor.update_parameters(**{**params, "array_parallelism": min(params["array_parallelism"], len(part)),
                                               "additional_parameters": extra})
                 jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in part])
@@ -394,7 +411,10 @@ class SlurmScheduler:
                 out.update({t.index: job.job_id for t, job in zip(part, jobs)})
         except BaseException as exc:
             if arrays:  # all or nothing: the arrays already queued go too
-                self.runner.run(["scancel", *arrays], timeout=QUERY_TIMEOUT_S, check=False)
+                try:
+                    self.runner.run(["scancel", *arrays], timeout=QUERY_TIMEOUT_S, check=False)
+                except commands.CommandError as cancel_exc:
+                    log.warning("could not cancel the arrays already queued (%s): %s", ", ".join(arrays), cancel_exc)
             if isinstance(exc, FailedJobError):
                 raise SchedulerError(explain_refusal(str(exc), plan)) from None
             raise
@@ -421,7 +441,7 @@ class SlurmScheduler:
             shown = self.runner.query(["scontrol", "show", "job", "-o"], timeout=QUERY_TIMEOUT_S)
             records = parse_scontrol_jobs(shown.stdout)
         squeue = self.runner.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
-        out = observe(records, parse_squeue(squeue.stdout), keys, user_of=_user_name)
+        out = observe(records, parse_squeue(squeue.stdout), keys, user_of=_user_name, complete=self.accounting is not False)
         if self.accounting is False:
             out = {k: dataclasses.replace(o, history=False) for k, o in out.items()}
             out.update(lost(refs, out, time.time()))

@@ -241,11 +241,14 @@ def observe(
     squeue: list[SqueueRecord],
     keys: list[str],
     user_of=lambda uid: f"uid {uid}",
+    complete: bool = True,
 ) -> dict[str, Observation]:
     """What each job in ``keys`` is now. squeue is the controller's live view and
     wins while it lists the job (sacct lags it by seconds, and after a requeue may
     still show the run that ended); once squeue no longer lists it, sacct's latest
-    run tells how it ended. A job neither knows of is left out."""
+    run tells how it ended. A job neither knows of is left out. ``complete``: the records
+    hold every run (accounting); without it, a task missing from its array may have ended
+    and aged out of the controller, not have been cancelled while pending."""
     runs = history(sacct)
     arrays = {r.id.job for r in sacct if r.id.task is not None or r.id.pending}
     arrays |= {q.id.job for q in squeue if q.id.task is not None or q.id.pending}
@@ -263,7 +266,7 @@ def observe(
             r = runs[key][-1]
             code = r.exit_code if r.state.ended else None
             out[key] = Observation(key, r.state, code, _reason(r, user_of), ",".join(r.nodes), ended)
-        elif "_" in key and key.split("_")[0] in arrays:
+        elif complete and "_" in key and key.split("_")[0] in arrays:
             # SLURM keeps no record of an array task cancelled while pending: it just
             # drops out of the array's pending range.
             out[key] = Observation(key, AttemptState.CANCELLED, None, "cancelled before it started")

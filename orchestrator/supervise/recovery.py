@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import tenacity
 
-from orchestrator.contract import FailureKind, Phase, TextEnum
+from orchestrator.contract import ExitCode, FailureKind, Phase, TextEnum
 from orchestrator.contract.generations import STOP_BARRIER_S
 from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.scheduler.base import Capabilities, Observation
@@ -125,7 +125,9 @@ def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry, action
     if not (retry.release_hold and obs is not None and obs.state == AttemptState.PENDING and obs.reason == "BeginTime"):
         return False
     if attempt.get("state") == AttemptState.REQUEUED.value:
-        return True
+        # after a save (exit 75); a requeue SLURM made by itself and could not explain (no
+        # accounting) keeps SLURM's hold: a node failing again and again is slowed, not hurried
+        return attempt.get("exit_code") == ExitCode.REQUEUE
     if action is not None and action.get("state") == "DONE" and action.get("kind") in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
         return now >= (action.get("done_at") or 0) + float((action.get("detail") or {}).get("delay_s") or 0)
     return False
@@ -153,6 +155,7 @@ def unanswered_for(asked_at: float, stopped: int, nodes: int, now: float) -> flo
 # SLURM's pending reason for a request no configuration of the partition can ever meet
 # (checked on 22.05: a pending job whose ExcNodeList leaves too few nodes waits with it forever)
 UNSCHEDULABLE = ("BadConstraints",)
+LIFT_WAIT_S = 60.0  # SLURM re-evaluates a pending job's reason on its next scheduling pass: no stale reading acts twice
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,14 @@ class Unschedulable:
     cause: str
 
 
-def unschedulable(obs: Observation | None, excluded_oldest_first: list[str]) -> Unschedulable | None:
+def unschedulable(obs: Observation | None, excluded_oldest_first: list[str], since_last_lift_s: float | None = None) -> Unschedulable | None:
     """A pending job SLURM can never start: lift the oldest of the exclusions the recoveries
-    added (one per cycle, until it can), or, with none left, fail the task clearly."""
+    added (one at a time, LIFT_WAIT_S apart, until it can), or, with none left, fail the
+    task clearly. ``since_last_lift_s``: None when none was lifted yet."""
     if obs is None or obs.state != AttemptState.PENDING or obs.reason not in UNSCHEDULABLE:
         return None
+    if since_last_lift_s is not None and since_last_lift_s < LIFT_WAIT_S:
+        return None  # the reason may still be the one from before the last lift
     if excluded_oldest_first:
         node = excluded_oldest_first[0]
         return Unschedulable(node, f"SLURM cannot start job {obs.job_id} ({obs.reason}): the nodes excluded after failures "

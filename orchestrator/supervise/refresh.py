@@ -120,10 +120,15 @@ def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
     On a ledger other hosts see (a watcher in a SLURM job), that watcher is the one writer:
     a login node refreshing at the same time would be a second host writing SQLite over the
     network filesystem."""
-    if ledger.shared:
-        here = socket.gethostname()
-        experiments = [e for e in experiments if not _watched_elsewhere(ledger, e["id"], here)]
-    refresh(ledger, experiments)
+    refresh(ledger, not_watched_elsewhere(ledger, experiments))
+
+
+def not_watched_elsewhere(ledger: Ledger, experiments: list[dict]) -> list[dict]:
+    """On a shared ledger, the experiments no watcher on another host holds the lease of."""
+    if not ledger.shared:
+        return experiments
+    here = socket.gethostname()
+    return [e for e in experiments if not _watched_elsewhere(ledger, e["id"], here)]
 
 
 def _watched_elsewhere(ledger: Ledger, exp_id: str, here: str) -> bool:

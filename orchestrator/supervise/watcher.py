@@ -13,6 +13,7 @@ and only then finishes it: one failed attempt, one recovery.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -47,6 +48,20 @@ def lease_name(exp_id: str) -> str:
     return f"watch:{exp_id}"
 
 
+def spec_exclude(exp: dict) -> list[str]:
+    """The spec's own resources.exclude (the ledger keeps the merged spec)."""
+    try:
+        nodes = json.loads(exp.get("spec") or "{}").get("resources", {}).get("exclude") or []
+    except (ValueError, AttributeError):
+        return []
+    return [n for n in nodes if isinstance(n, str)]
+
+
+def with_spec_exclude(exp: dict, nodes: list[str]) -> list[str]:
+    """Nodes a recovery keeps the job off, plus the spec's own: SLURM's update replaces the
+    job's list, and the spec's nodes must never come back. Empty stays empty (no update)."""
+    return sorted({*nodes, *spec_exclude(exp)}) if nodes else []
+
 class Watcher:
     def __init__(self, ledger: Ledger, interval_s: float = 5.0, schedulers: dict | None = None, clock: Callable[[], float] = time.time):
         self.ledger = ledger
@@ -68,7 +83,8 @@ class Watcher:
     def cycle(self, exp_ids: list[str]) -> None:
         exps = [e for e in (self.ledger.experiment(i) for i in exp_ids) if e]
         errors: list[str] = []
-        observations = refresh.refresh(self.ledger, exps, self.schedulers, errors)
+        mine = refresh.not_watched_elsewhere(self.ledger, exps)  # a shared ledger: one writing host per experiment
+        observations = refresh.refresh(self.ledger, mine, self.schedulers, errors)
         for exp in exps:
             exp = self.ledger.experiment(exp["id"])
             if TaskState(exp["state"]).terminal:
@@ -181,6 +197,8 @@ class Watcher:
         """Agents that do not answer an end record (stopped, or hung with their ranks) can
         restart nothing: the attempt failed with a hang, and the recovery goes through SLURM
         (``scontrol requeue`` of the running job, which kills whatever is left of it)."""
+        if not self.scheduler(exp["executor"]).capabilities.requeue_in_place:
+            return  # a new submission would run beside the stuck processes in the same task folder
         problems: list = []
         record = badrecords.read(contract.generation_end_path(ldir, generation), records.GENERATION_END, problems)
         launch = read_launch(ldir, problems)
@@ -203,17 +221,21 @@ class Watcher:
         """A pending job SLURM can never start (too many nodes excluded): lift the oldest
         exclusion, or with none of ours left, fail the task with SLURM's reason."""
         excluded = list(dict.fromkeys(n for a in attempts for n in str(a.get("exclude") or "").split(",") if n))
-        verdict = recovery.unschedulable(obs, excluded)
+        lifts = [e["time"] for e in self.ledger.events(exp["id"]) if e["kind"] == "recovery.exclusion_lifted" and e["idx"] == task["idx"]]
+        verdict = recovery.unschedulable(obs, excluded, self.clock() - max(lifts) if lifts else None)
         if verdict is None:
             return
         exp_id, idx, job = exp["id"], task["idx"], attempts[-1]["job_id"]
         sched = self.scheduler(exp["executor"])
         if verdict.lift is None:
-            self.ledger.set_task_state(exp_id, idx, TaskState.FAILED, verdict.cause, reason=verdict.cause)
+            # the job goes first: a task marked FAILED is never looked at again
             sched.cancel([JobRef(job, Path(exp["run_dir"]), idx, attempts[-1].get("submitted_at"))])
+            self.ledger.set_task_state(exp_id, idx, TaskState.FAILED, verdict.cause, reason=verdict.cause)
             return
         rest = [n for n in excluded if n != verdict.lift]
-        sched.set_exclude(job, rest)  # first: a watcher killed before the ledger write lifts the same node again
+        # first: a watcher killed before the ledger write lifts the same node again; the spec's own
+        # resources.exclude stays (the update replaces the job's whole list)
+        sched.set_exclude(job, sorted({*rest, *spec_exclude(exp)}))
         with self.ledger.tx():
             for a in attempts:
                 nodes = [n for n in str(a.get("exclude") or "").split(",") if n]
@@ -287,7 +309,7 @@ class Watcher:
         _fault_point(f"after-{kind}")
         done: dict = {}
         if kind in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
-            sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
+            sched.release(attempt["job_id"], with_spec_exclude(exp, detail["exclude"]), detail["delay_s"])
         elif kind == RecoveryKind.REQUEUE_SAVED:
             pass  # SLURM's hold on it is released once it is pending (_release_hold)
         else:
@@ -315,7 +337,7 @@ class Watcher:
                 newer = attempts[-1]["number"] > attempt["number"]
                 if newer or (obs is not None and obs.state in (AttemptState.PENDING, AttemptState.RUNNING)):
                     if obs is not None and obs.state == AttemptState.PENDING and action["kind"] != RecoveryKind.REQUEUE_SAVED:
-                        sched.release(attempt["job_id"], detail["exclude"], detail["delay_s"])
+                        sched.release(attempt["job_id"], with_spec_exclude(exp, detail["exclude"]), detail["delay_s"])
                     self._done(exp, task["idx"], attempt, detail, {}, cause + ": it had been requeued")
                     continue
             elif action["kind"] == RecoveryKind.RESUBMIT:
