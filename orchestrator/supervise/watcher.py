@@ -220,6 +220,8 @@ class Watcher:
     def _unschedulable(self, exp: dict, task: dict, attempts: list[dict], obs) -> None:
         """A pending job SLURM can never start (too many nodes excluded): lift the oldest
         exclusion, or with none of ours left, fail the task with SLURM's reason."""
+        if obs is None or obs.reason not in recovery.UNSCHEDULABLE:
+            return  # every cycle, every task: the events are read only for a job SLURM can never start
         excluded = list(dict.fromkeys(n for a in attempts for n in str(a.get("exclude") or "").split(",") if n))
         lifts = [e["time"] for e in self.ledger.events(exp["id"]) if e["kind"] == "recovery.exclusion_lifted" and e["idx"] == task["idx"]]
         verdict = recovery.unschedulable(obs, excluded, self.clock() - max(lifts) if lifts else None)
@@ -247,6 +249,8 @@ class Watcher:
 
     def _release_hold(self, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, obs) -> None:
         """A job requeued after a committed save waits for nothing: let it start now."""
+        if obs is None or obs.reason != "BeginTime":
+            return  # every cycle, every task: the ledger is read only for a job SLURM holds
         key = (exp["id"], attempt["job_id"], attempt["number"])
         action = next((a for a in self.ledger.actions(exp["id"], task["idx"]) if a["attempt"] == attempt["number"]), None)
         if key in self._hold_refused or not recovery.hold_to_release(attempt, obs, cfg.retry, action, self.clock()):
