@@ -180,7 +180,7 @@ def wait_for_step(task_dir, step: int, timeout: float = 120) -> None:
 def restart_local_cluster(**variant: str) -> None:
     """`scripts/slurm-local down` then `up` with ``variant`` (SLURM_LOCAL_ACCOUNTING=none,
     SLURM_LOCAL_MAX_ARRAY_SIZE=10, ...); without one, the cluster every other test uses."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_LOCAL_ACCOUNTING", "SLURM_LOCAL_MAX_ARRAY_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_LOCAL_ACCOUNTING", "SLURM_LOCAL_MAX_ARRAY_SIZE", "SLURM_LOCAL_MAX_SUBMIT")}
     for cmd in ("down", "up"):
         out = subprocess.run([str(REPO / "scripts" / "slurm-local"), cmd], env={**env, **variant}, capture_output=True,
                              text=True, timeout=300)

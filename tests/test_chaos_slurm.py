@@ -59,10 +59,10 @@ def watchers():
         w.stop()
 
 
-def start(home, tmp_path, watchers, name, **kw):
+def start(home, tmp_path, watchers, name, watcher_env=None, **kw):
     spec = write(tmp_path / f"{name}.yaml", spec_text(name, **kw))
     exp_id = submit(home, str(spec), "--executor", "slurm")
-    watchers.append(WatcherProc(home, exp_id))
+    watchers.append(WatcherProc(home, exp_id, env=watcher_env))
     exp = status_json(home, exp_id)["experiments"][0]
     return exp_id, contract.task_dir(exp["run_dir"], 0)
 
@@ -195,8 +195,22 @@ def parent_pid(pid: int) -> int:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
-def test_hung_agents_that_do_not_answer_are_escalated_to_a_requeue_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys):
-    exp_id, tdir = start(home, tmp_path, watchers, "hungagents", timeout=", timeout_s: 4")
+def ignoring_requeue(folder):
+    """A PATH on which `scontrol requeue` answers success and does nothing (a site that
+    ignores it, or a job SLURM cannot stop); every other scontrol call is the real one."""
+    import shutil
+
+    folder.mkdir()
+    shim = folder / "scontrol"
+    shim.write_text(f'#!/bin/sh\n[ "$1" = requeue ] && exit 0\nexec {shutil.which("scontrol")} "$@"\n')
+    shim.chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}", "ORCHESTRATE_REQUEUE_TAKE_S": "20"}
+
+
+@pytest.mark.parametrize("requeue", ["taken", "ignored"])
+def test_hung_agents_that_do_not_answer_are_escalated_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys, requeue):
+    env = ignoring_requeue(tmp_path / "bin") if requeue == "ignored" else None
+    exp_id, tdir = start(home, tmp_path, watchers, "hungagents", timeout=", timeout_s: 4", watcher_env=env)
     wait_for_step(tdir, 250)
     ranks = [heartbeat(tdir, r)["pid"] for r in (0, 1)]
     agents = [parent_pid(p) for p in ranks]
@@ -208,16 +222,27 @@ def test_hung_agents_that_do_not_answer_are_escalated_to_a_requeue_and_the_run_r
     first, second = ledger.attempts(exp_id, 0)
     assert first["state"] == "FAILED" and first["failure"] == "hang", first
     assert "the node agents did not answer" in first["reason"] and "2 of 2 node(s) silent" in first["reason"], first
-    assert second["state"] == "COMPLETED" and second["job_id"] == first["job_id"], second  # requeued under its id
+    assert second["state"] == "COMPLETED", second
     [action] = ledger.actions(exp_id, 0)
-    assert action["kind"] == "requeue" and action["state"] == "DONE", action
-    order = [k for k in kinds(ledger, exp_id) if k in ("hang.detected", "hang.escalated", "recovery.requeue.done", "checkpoint.resumed")]
-    assert order == ["hang.detected", "hang.escalated", "recovery.requeue.done", "checkpoint.resumed"], order
+    assert action["state"] == "DONE", action
+    steps = ("hang.detected", "hang.escalated", "recovery.requeue.done", "recovery.resubmit", "recovery.resubmit.done", "checkpoint.resumed")
+    order = [k for k in kinds(ledger, exp_id) if k in steps]
+    if requeue == "taken":
+        assert second["job_id"] == first["job_id"] and action["kind"] == "requeue", (second, action)  # requeued under its id
+        assert order == ["hang.detected", "hang.escalated", "recovery.requeue.done", "checkpoint.resumed"], order
+    else:  # the requeue never took: the stuck job was cancelled and the task went out as a new job
+        assert second["job_id"] != first["job_id"] and action["kind"] == "resubmit", (second, action)
+        assert order == list(steps), order
+        [given_up] = [e for e in ledger.events(exp_id) if e["kind"] == "recovery.resubmit"]
+        assert "still runs the run from before" in given_up["cause"] and "cancelled" in given_up["cause"], given_up
+        state = slurm_run("sacct", "-X", "-n", "-P", "-o", "State", "-j", first["job_id"]).splitlines()
+        assert state and state[-1].startswith("CANCELLED"), state
     escalated = next(e for e in ledger.events(exp_id) if e["kind"] == "hang.escalated")
     resumed = min(m["time"] for m in metrics(tdir) if m["launch"] == second["launch"])
     with capsys.disabled():
-        print(f"\n[chaos] SIGSTOP of both agents and their ranks -> escalated after {escalated['time'] - stopped_at:.1f} s, "
-              f"training again after {resumed - stopped_at:.1f} s (hang timeout 4 s, agents' deadline 60 s)")
+        print(f"\n[chaos] SIGSTOP of both agents and their ranks, requeue {requeue} -> escalated after "
+              f"{escalated['time'] - stopped_at:.1f} s, training again after {resumed - stopped_at:.1f} s "
+              "(hang timeout 4 s, agents' deadline 60 s" + (", requeue given up after 20 s)" if env else ")"))
 
 
 def test_a_node_set_down_is_excluded_and_the_task_requeued_on_other_nodes(slurm, home, tmp_path, watchers, reference_loss):

@@ -198,3 +198,22 @@ def test_a_recovery_keeps_the_specs_own_excluded_nodes_when_it_replaces_the_jobs
     assert with_spec_exclude(exp, ["n3"]) == ["g001", "g007", "n3"]
     assert with_spec_exclude(exp, []) == []  # nothing to exclude: no update, the job keeps its list
     assert spec_exclude({"spec": "not json"}) == [] and spec_exclude({"spec": json.dumps({"resources": {"exclude": [1]}})}) == []
+
+
+def test_a_requeue_that_never_took_is_given_up_after_its_wait_and_only_then():
+    from orchestrator.scheduler.base import Observation
+    from orchestrator.states import AttemptState as A
+
+    wait = recovery.REQUEUE_TAKE_S
+    done = {"kind": "requeue", "state": "DONE", "done_at": 1000.0, "detail": {"job_id": "7_1"}}
+    stuck = Observation("7_1", A.RUNNING, started_at=900.0)  # the run from before the requeue
+    assert recovery.requeue_not_taken(done, stuck, 1000.0 + wait - 1) is None  # SLURM may still be killing it
+    assert "job 7_1 was requeued 121 s ago and still runs the run from before" in recovery.requeue_not_taken(done, stuck, 1000.0 + wait + 1)
+    # it went back to the queue, or runs again (its agents have not written their launch yet), or nothing tells
+    for obs in (Observation("7_1", A.PENDING), Observation("7_1", A.RUNNING, started_at=1050.0), Observation("7_1", A.RUNNING), None):
+        assert recovery.requeue_not_taken(done, obs, 5000.0) is None
+    gone = recovery.requeue_not_taken(done, Observation("7_1", A.CANCELLED), 1000.0 + wait + 1)
+    assert "ended without going back to the queue (cancelled)" in gone
+    # only a requeue that was carried out
+    for action in (None, {**done, "state": "PLANNED"}, {**done, "kind": "resubmit"}, {**done, "kind": "release"}):
+        assert recovery.requeue_not_taken(action, stuck, 5000.0) is None

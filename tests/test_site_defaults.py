@@ -118,7 +118,7 @@ def test_submit_stores_the_layered_spec_and_its_sources(files, tmp_path):
     class Fake:  # the scheduler's part is not what this test is about
         name = "fake"
 
-        def submit(self, plan):
+        def submit(self, plan, watched=False):
             return {0: "1"}
 
     ledger = Ledger.open(tmp_path / "ledger.db")

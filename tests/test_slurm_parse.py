@@ -102,3 +102,13 @@ def test_array_task_cancelled_while_pending_leaves_no_record_and_counts_as_cance
     assert [obs[k].state for k in ("110_0", "110_1", "110_2")] == [A.RUNNING, A.PENDING, A.CANCELLED]
     assert obs["110_2"].reason == "cancelled before it started"
     assert "111_0" not in obs  # an array neither sacct nor squeue knows yet: no guess
+
+
+def test_squeue_start_times_are_read_for_running_jobs_only():
+    import time
+
+    from orchestrator.scheduler.slurm_parse import parse_squeue
+
+    running, pending, old = parse_squeue("7_1|RUNNING|None|n[1-2]|2026-11-26T09:07:09\n7_[2-3]|PENDING|Priority||N/A\n8|RUNNING|None|n3\n")
+    assert running.started_at == time.mktime((2026, 11, 26, 9, 7, 9, 0, 0, -1)) and running.nodes == ("n1", "n2")
+    assert pending.started_at is None and old.started_at is None  # pending; a line without %S

@@ -163,11 +163,12 @@ def test_a_resubmission_reads_the_saved_python_back_as_plain_words():
         assert _python_words(damaged) == sys.executable
 
 
-def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_submit_limit_is_refused_clearly(tmp_path):
+def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_queue_room_waits_for_a_watcher_or_is_refused(tmp_path):
     from test_scheduler import FakeRunner
 
     from orchestrator.errors import UserError
-    from orchestrator.scheduler.slurm import SlurmScheduler, array_chunks, parse_config_limits, parse_max_submit
+    from orchestrator.scheduler.site_limits import array_chunks, parse_config_limits, parse_max_submit
+    from orchestrator.scheduler.slurm import SlurmScheduler
 
     assert parse_config_limits("ClusterName = hpc1\nMaxArraySize            = 10\nMaxJobCount             = 10000\nMaxStepCount = 40000\n") == {
         "ClusterName": "hpc1", "MaxArraySize": 10, "MaxJobCount": 10000}
@@ -179,15 +180,47 @@ def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_submit_limit_is_re
 
     plan = plan_of(tmp_path, (REPO / "configs" / "sweep.yaml").read_text())  # 4 tasks, max_parallel 2
     config = "MaxArraySize = 3\nMaxJobCount = 10000\n"
-    chunks, words = SlurmScheduler(FakeRunner({"scontrol show config": config})).arrays(plan)
-    assert [len(c) for c in chunks] == [3, 1] and "split into 2 arrays" in words and "at most 2 run at once" in words
+    parts = SlurmScheduler(FakeRunner({"scontrol show config": config})).split(plan, watched=False)
+    assert [len(c) for c in parts.arrays] == [3, 1] and not parts.waiting
+    assert "split into 2 arrays" in parts.words and "at most 2 run at once" in parts.words
+    # MaxSubmitJobs 3 with one job of the user queued already: two go out now, only when a watcher takes the rest
+    limited = {"scontrol show config": config, "sacctmgr -n -P show assoc": "3\n", "squeue -h -r --me": "77_1\n"}
     with pytest.raises(UserError) as err:
-        SlurmScheduler(FakeRunner({"scontrol show config": config, "sacctmgr -n -P show assoc": "3\n"})).arrays(plan)
-    assert "the sweep has 4 tasks and SLURM lets you queue at most 3 jobs (MaxSubmitJobs" in str(err.value)
-    # a site that tells nothing: one array, as before
-    assert SlurmScheduler(FakeRunner()).arrays(plan) == ([range(0, 4)], "")
+        SlurmScheduler(FakeRunner(limited)).split(plan, watched=False)
+    assert "the sweep has 4 tasks and SLURM takes 2 more job(s) now (MaxSubmitJobs 3, 1 queued" in str(err.value)
+    assert "--watch" in str(err.value) and "orchestrate watch" in str(err.value)
+    parts = SlurmScheduler(FakeRunner(limited)).split(plan, watched=True)
+    assert parts.arrays == [range(0, 2)] and parts.waiting == range(2, 4) and "the watcher submits the other 2" in parts.words
+    # a site that tells nothing: one array, as before, and no squeue to count jobs
+    runner = FakeRunner()
+    assert SlurmScheduler(runner).split(plan, watched=False).arrays == [range(0, 4)]
+    assert not any(c[0] == "squeue" for c in runner.calls)
     # only this cluster's associations are asked (and the spec's QOS only when it names one)
     runner = FakeRunner({"scontrol show config": "ClusterName = hpc1\n"})
-    SlurmScheduler(runner).arrays(plan)
+    SlurmScheduler(runner).split(plan, watched=False)
     [assoc] = [c for c in runner.calls if c[:5] == ["sacctmgr", "-n", "-P", "show", "assoc"]]
     assert "cluster=hpc1" in assoc and not any(c[4] == "qos" for c in runner.calls if c[0] == "sacctmgr")
+    # read once, not once per question: a watcher asks every cycle
+    SlurmScheduler(runner).site_limits(None)
+    sched = SlurmScheduler(runner)
+    before = len(runner.calls)
+    sched.site_limits(None), sched.site_limits(None)
+    assert len([c for c in runner.calls[before:] if c[0] == "scontrol"]) == 1
+
+
+def test_the_watcher_submits_waiting_tasks_in_arrays_that_can_hold_a_full_budget():
+    from orchestrator.scheduler.site_limits import Room, next_batch, room, SiteLimits
+
+    limits = SiteLimits(max_array_size=10, max_submit=12)
+    assert room(limits, 12, None) == Room(0, "MaxSubmitJobs 12, 12 queued", 12, 10)
+    assert room(SiteLimits(max_submit=12, max_job_count=100), 3, 95).words == "MaxJobCount 100, 95 queued"
+    waiting = list(range(12, 25))
+    assert next_batch(waiting, room(limits, 12, None), 3, 12) == []  # no room
+    assert next_batch(waiting, room(limits, 10, None), 3, 10) == []  # room for 2: a budget of 3 waits for a third
+    assert next_batch(waiting, room(limits, 9, None), 3, 9) == [12, 13, 14]
+    assert next_batch(waiting, room(limits, 0, None), 3, 0) == list(range(12, 22))  # never more than MaxArraySize
+    assert next_batch(waiting, room(limits, 10, None), None, 10) == [12, 13]  # no budget: whatever fits
+    assert next_batch([24], room(limits, 11, None), 3, 11) == [24]  # the last one
+    assert next_batch(waiting, room(limits, 10, None), 3, 0) == [12, 13]  # nothing of ours queued: nothing to wait for
+    assert next_batch(waiting, room(SiteLimits(max_submit=2), 0, None), 3, 1) == [12, 13]  # a limit below the budget
+    assert next_batch(waiting, Room(None), 3, 5) == waiting  # no limit known any more

@@ -101,7 +101,8 @@ def task_document(t: dict, mine: list[dict], now: float) -> dict:
         "nodes": _nodes(last, t),
         "job_id": _str(last.get("job_id")),
         "checkpoint": _str(t.get("checkpoint")),
-        "reason": _str(t.get("reason") or (last.get("reason") if ended else None)),
+        "reason": _str(t.get("reason") or (last.get("reason") if ended else None)
+                       or ("waiting for room in the queue" if not mine and t.get("state") == "PENDING" else None)),
         "failure": _str(last.get("failure")) if ended else None,
     }
 

@@ -9,6 +9,7 @@ from orchestrator.cli.follow import follow_experiment
 from orchestrator.ledger import access
 from orchestrator.scheduler import get_scheduler
 from orchestrator.submit import submission
+from orchestrator.supervise import watcher
 
 
 def cmd_submit(args) -> int:
@@ -22,9 +23,12 @@ def cmd_submit(args) -> int:
             print(_dry_run_text(plan))
         return 0
     ledger = access.open_ledger(home)
-    job_ids = submission.submit(ledger, plan)
-    jobs = ", ".join(sorted(set(job_ids.values())))
-    print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})", file=sys.stderr)
+    # tasks the queue has no room for may wait only for a watcher: this process, or one that watches every experiment
+    job_ids = submission.submit(ledger, plan, watched=args.watch or watcher.watching_all(ledger))
+    jobs = ", ".join(sorted({j.split("_")[0] for j in job_ids.values()}, key=lambda j: (len(j), j))) or "none yet"
+    waiting = len(plan.tasks) - len(job_ids)
+    print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})"
+          + (f"; {waiting} wait for room in the queue, the watcher submits them as jobs end" if waiting else ""), file=sys.stderr)
     print(f"run folder {plan.run_dir}", file=sys.stderr)
     if not args.watch:
         print(plan.experiment_id)

@@ -397,8 +397,10 @@ class Ledger:
         rows = list(self.db["leases"].rows_where("name = ? and expires_at > ?", [name, self.clock()]))
         return rows[0] if rows else None
 
-    def plan_action(self, exp_id: str, idx: int, attempt: int, kind: str, detail: dict, cause: str) -> bool:
-        """Record a recovery action before taking it (one per failed attempt); False if one exists."""
+    def plan_action(self, exp_id: str, idx: int, attempt: int, kind: str, detail: dict, cause: str, topic: str = "recovery") -> bool:
+        """Record an action before taking it: a recovery (one per failed attempt), or with
+        ``attempt`` 0 the submission of a task that waited for room in the queue (topic
+        ``queue``); False if one exists."""
         with self.tx():
             if self.db["actions"].count_where("experiment_id = ? and idx = ? and attempt = ?", [exp_id, idx, attempt]):
                 return False
@@ -413,17 +415,32 @@ class Ledger:
                     "created_at": self.clock(),
                 }
             )
-            self.event(exp_id, f"recovery.{kind}", cause, idx=idx, attempt=attempt)
+            self.event(exp_id, f"{topic}.{kind}", cause, idx=idx, attempt=attempt or None)
             return True
 
-    def finish_action(self, exp_id: str, idx: int, attempt: int, detail: dict, cause: str) -> None:
+    def replan_action(self, exp_id: str, idx: int, attempt: int, kind: str, detail: dict, cause: str) -> None:
+        """An attempt's action taken already that did not do its work (a requeue that never
+        took) replaced by another, planned before it is taken like the first."""
+        with self.tx():
+            self.db["actions"].update((exp_id, idx, attempt), {"kind": kind, "state": ActionState.PLANNED.value,
+                                                               "detail": json.dumps(detail, sort_keys=True), "created_at": self.clock(), "done_at": None})
+            self.event(exp_id, f"recovery.{kind}", cause, idx=idx, attempt=attempt)
+
+    def drop_action(self, exp_id: str, idx: int, attempt: int, cause: str, topic: str = "recovery") -> None:
+        """A planned action that was never taken (the scheduler has no trace of it): gone, so it can be planned anew."""
+        with self.tx():
+            row = self.db["actions"].get((exp_id, idx, attempt))
+            self.db["actions"].delete((exp_id, idx, attempt))
+            self.event(exp_id, f"{topic}.{row['kind']}.dropped", cause, idx=idx, attempt=attempt or None)
+
+    def finish_action(self, exp_id: str, idx: int, attempt: int, detail: dict, cause: str, topic: str = "recovery") -> None:
         with self.tx():
             row = self.db["actions"].get((exp_id, idx, attempt))
             merged = {**json.loads(row["detail"] or "{}"), **detail}
             self.db["actions"].update(
                 (exp_id, idx, attempt), {"state": ActionState.DONE.value, "detail": json.dumps(merged, sort_keys=True), "done_at": self.clock()}
             )
-            self.event(exp_id, f"recovery.{row['kind']}.done", cause, idx=idx, attempt=attempt)
+            self.event(exp_id, f"{topic}.{row['kind']}.done", cause, idx=idx, attempt=attempt or None)
 
     def actions(self, exp_id: str, idx: int | None = None, state: ActionState | None = None) -> list[dict]:
         where, args = ["experiment_id = ?"], [exp_id]

@@ -1,6 +1,7 @@
 """Where tasks run: one interface (``base``), SLURM through submitit (``slurm``, with
 its output parsed at one boundary in ``slurm_parse``), and the local executor
-(``local``). ``commands`` is the one place that runs external programs."""
+(``local``). ``commands`` is the one place that runs external programs; ``site_limits``
+says how a sweep fits under a site's array and queue limits."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from orchestrator.scheduler.site_limits import Room
 from orchestrator.submit.plan import Plan
 from orchestrator.states import AttemptState
 
@@ -39,6 +40,7 @@ class Observation:
     ended_runs: tuple[tuple[AttemptState, str, str], ...] = ()
     # False on a cluster without accounting: the runs before a requeue are not known
     history: bool = True
+    started_at: float | None = None  # when its current run started, where the scheduler tells
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,16 @@ class Scheduler(Protocol):
         """What ``submit --dry-run`` shows beyond the plan (SLURM: the exact batch script
         and SLURM's own verdict on it); empty when there is nothing more to show."""
 
-    def submit(self, plan: Plan) -> dict[int, str]:
-        """Submit every task of the plan; returns task index -> job id."""
+    def submit(self, plan: Plan, watched: bool = False) -> dict[int, str]:
+        """Submit the plan's tasks; returns task index -> job id. Tasks the queue has no room
+        for yet are left out when a watcher will submit them (``watched``), else it refuses."""
+
+    def queue_room(self, run_dir: Path) -> Room:
+        """How many more jobs the scheduler takes now for this experiment (None: no limit)."""
+
+    def submit_tasks(self, run_dir: Path, indices: list[int], max_parallel: int | None, after: str | None, tag: str) -> dict[int, str]:
+        """Tasks that waited for room in the queue, as one submission named with ``tag`` (after
+        job ``after``, when given, has ended); returns task index -> job id."""
 
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
         """One batched look at every job in ``refs``; jobs it cannot see are left out."""
@@ -91,6 +101,10 @@ class Scheduler(Protocol):
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
         """The job a ``resubmit`` with ``tag`` made, for a watcher that died before recording it."""
+
+    def find_tasks(self, run_dir: Path, tag: str, since: float, indices: list[int]) -> dict[int, str]:
+        """The jobs a ``submit_tasks`` of ``indices`` with ``tag`` made, if the scheduler has
+        them (for a watcher that died before recording them); empty when none went out."""
 
     def node_states(self) -> dict[str, str]:
         """Every node's state in the scheduler's words (empty: it has no nodes to tell of)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.submit.plan import Plan
 from orchestrator.states import AttemptState, attempt_state_for_exit
+from orchestrator.scheduler.site_limits import Room
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
@@ -91,7 +92,7 @@ class LocalScheduler:
         return f"{len(plan.tasks)} task(s) would start at once on this machine" if not plan.max_parallel else (
             f"{len(plan.tasks)} task(s), at most {plan.max_parallel} at once, on this machine")
 
-    def submit(self, plan: Plan) -> dict[int, str]:
+    def submit(self, plan: Plan, watched: bool = False) -> dict[int, str]:
         import submitit
 
         executor = submitit.LocalExecutor(folder=str(plan.run_dir / "submitit"))
@@ -151,6 +152,27 @@ class LocalScheduler:
         with _detached():
             job = executor.submit(run_driver, str(run_dir), [index], None, tag, delay_s)
         return f"{job.job_id}_{index}"
+
+    def queue_room(self, run_dir: Path) -> Room:
+        return Room(None)  # one machine: no queue limit; every task goes out at submit
+
+    def submit_tasks(self, run_dir: Path, indices: list[int], max_parallel: int | None, after: str | None, tag: str) -> dict[int, str]:
+        import submitit
+
+        executor = submitit.LocalExecutor(folder=str(Path(run_dir) / "submitit"))
+        executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
+        for i in indices:
+            contract.atomic_write_json(state_path(run_dir, i), {"state": "PENDING", "time": time.time()})
+        with _detached():
+            job = executor.submit(run_driver, str(run_dir), indices, max_parallel, tag)
+        return {i: f"{job.job_id}_{i}" for i in indices}
+
+    def find_tasks(self, run_dir: Path, tag: str, since: float, indices: list[int]) -> dict[int, str]:
+        for f in (Path(run_dir) / "local").glob("driver-*.json"):
+            rec = contract.read_json(f) or {}
+            if rec.get("tag") == tag:
+                return {i: f"{rec['job_id']}_{i}" for i in indices}
+        return {}
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
         for f in (Path(run_dir) / "local").glob("driver-*.json"):

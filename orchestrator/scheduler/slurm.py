@@ -36,6 +36,7 @@ from orchestrator import contract
 from orchestrator.errors import SchedulerError, UserError
 from orchestrator.scheduler import commands
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
+from orchestrator.scheduler.site_limits import Room, SiteLimits, Split, parse_config_limits, parse_max_submit, room, split
 from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
 from orchestrator.states import AttemptState
 from orchestrator.spec import slurmtext
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 QUERY_TIMEOUT_S = 30
 PYTHON_KEY = "_python"  # in sbatch-parameters.json: the shell words that start Python on the nodes
 CHECK_TIMEOUT_S = 60
-SQUEUE_FORMAT = "%i|%T|%r|%N"
+SQUEUE_FORMAT = "%i|%T|%r|%N|%S"
+LIMITS_TTL_S = 300.0  # a watcher reads the site's limits again after this long (an admin may change them)
 
 
 def submitit_folder(plan: Plan) -> Path:
@@ -219,47 +221,6 @@ def render_batch_script(plan: Plan, python: str = sys.executable, tasks: int | N
     )
 
 
-# ---------------------------------------------------------------- site limits
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteLimits:
-    max_array_size: int | None = None  # MaxArraySize: array indices 0..N-1
-    max_job_count: int | None = None  # MaxJobCount: jobs the controller holds, everyone's
-    max_submit: int | None = None  # MaxSubmitJobs of the user's association or QOS: queued jobs (each array task one)
-    where: str = ""
-
-
-def parse_config_limits(text: str) -> dict:
-    """MaxArraySize and MaxJobCount (and the ClusterName they are of) from ``scontrol show config``."""
-    out: dict = {}
-    for line in text.splitlines():
-        key, _, value = line.partition("=")
-        key, value = key.strip(), value.strip()
-        if key in ("MaxArraySize", "MaxJobCount") and value.isdigit():
-            out[key] = int(value)
-        elif key == "ClusterName" and re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
-            out[key] = value
-    return out
-
-
-def parse_max_submit(assoc: str, qos: str, qos_name: str) -> int | None:
-    """The smallest MaxSubmitJobs of the user's associations (``sacctmgr -n -P show assoc
-    format=MaxSubmit``) and MaxSubmitJobsPerUser of the job's QOS (``format=Name,MaxSubmitPU``)."""
-    values = [int(v) for v in assoc.split() if v.isdigit()]
-    for line in qos.splitlines():
-        name, _, limit = line.partition("|")
-        if name.strip() == qos_name and limit.strip().isdigit():
-            values.append(int(limit.strip()))
-    return min(values) if values else None
-
-
-def array_chunks(n: int, max_array_size: int | None) -> list[range]:
-    """Task positions 0..n-1 as arrays SLURM takes: at most MaxArraySize tasks each."""
-    size = max(1, max_array_size or n or 1)
-    return [range(i, min(n, i + size)) for i in range(0, n, size)]
-
-
 # ---------------------------------------------------------------- refusals, in the spec's words
 
 _HINTS = (
@@ -315,13 +276,15 @@ class SlurmScheduler:
     def __init__(self, runner: commands.Runner | None = None):
         self.runner = runner or commands.Runner()
         self.accounting: bool | None = None  # None: not known yet (sacct answers, or says it is disabled)
+        self._limits: dict[tuple[str, str], tuple[float, SiteLimits]] = {}
 
     def preview(self, plan: Plan) -> dict[str, str]:
         if not shutil.which("sbatch"):
             return {"sbatch_script": render_batch_script(plan), "slurm_check": "not checked: sbatch is not on PATH here"}
-        chunks, split = self.arrays(plan)
-        check = self.check(plan, len(chunks[0])) + (f"; {split}; the script of the first array" if split else "")
-        return {"sbatch_script": render_batch_script(plan, tasks=len(chunks[0])), "slurm_check": check}
+        parts = self.split(plan, watched=True)
+        first = len(parts.arrays[0]) if parts.arrays else len(plan.tasks)
+        check = self.check(plan, first) + (f"; {parts.words}; the script of the first array" if parts.words else "")
+        return {"sbatch_script": render_batch_script(plan, tasks=first), "slurm_check": check}
 
     def check(self, plan: Plan, tasks: int | None = None) -> str:
         """``sbatch --test-only`` on the plan's script (of its first array, ``tasks`` long, when
@@ -338,7 +301,12 @@ class SlurmScheduler:
         return " ".join((out.stderr + out.stdout).split()).removeprefix("sbatch: ")
 
     def site_limits(self, qos: str | None, account: str | None = None) -> SiteLimits:
-        """What the site caps (once per submission); a limit SLURM does not tell is None."""
+        """What the site caps (read once per submission, and by a watcher every LIMITS_TTL_S);
+        a limit SLURM does not tell is None."""
+        key = (qos or "", account or "")
+        cached = self._limits.get(key)
+        if cached and time.monotonic() - cached[0] < LIMITS_TTL_S:
+            return cached[1]
         try:
             config = parse_config_limits(self.runner.query(["scontrol", "show", "config"], timeout=QUERY_TIMEOUT_S).stdout)
         except commands.CommandError:
@@ -356,48 +324,53 @@ class SlurmScheduler:
             max_submit = parse_max_submit(assoc, qos_text, qos or "")
         except (commands.CommandError, KeyError):
             pass  # no accounting, or sacctmgr not here: SLURM refuses at sbatch if it has a limit
-        return SiteLimits(config.get("MaxArraySize"), config.get("MaxJobCount"), max_submit)
+        limits = SiteLimits(config.get("MaxArraySize"), config.get("MaxJobCount"), max_submit)
+        self._limits[key] = (time.monotonic(), limits)
+        return limits
 
-    def arrays(self, plan: Plan) -> tuple[list[range], str]:
-        """The plan's tasks as the arrays the site takes, and words saying so; refuses a
-        sweep larger than the jobs the site lets one queue."""
-        n = len(plan.tasks)
+    def room_for(self, limits: SiteLimits) -> Room:
+        """Jobs SLURM takes now under ``limits``: one squeue of the user's jobs (and one of
+        everyone's where MaxJobCount is known); no call at all when the site sets no limit."""
+        if limits.max_submit is None and limits.max_job_count is None:
+            return room(limits, 0, None)
+        mine = len(self.runner.query(["squeue", "-h", "-r", "--me", "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split())
+        everyone = None
+        if limits.max_job_count is not None:
+            everyone = len(self.runner.query(["squeue", "-h", "-r", "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split())
+        return room(limits, mine, everyone)
+
+    def queue_room(self, run_dir: Path) -> Room:
+        params = contract.read_json(params_path(run_dir)) or {}
+        qos, account = (p if isinstance(p, str) else None for p in (params.get("qos"), params.get("account")))
+        return self.room_for(self.site_limits(qos, account))
+
+    def split(self, plan: Plan, watched: bool) -> Split:
+        """The plan's tasks as the arrays the site takes now, and those that wait for room in
+        the queue; refuses a sweep that does not fit when no watcher would submit the rest."""
         limits = self.site_limits(plan.resources.qos, plan.resources.account)
-        for what, limit in (("MaxSubmitJobs", limits.max_submit), ("MaxJobCount", limits.max_job_count)):
-            if limit is not None and n > limit:
-                raise UserError(
-                    f"the sweep has {n} tasks and SLURM lets you queue at most {limit} jobs ({what}; each array task is a job): "
-                    "split the sweep into several specs (sweep.points), or ask your site to raise the limit"
-                )
-        chunks = array_chunks(n, limits.max_array_size)
-        if len(chunks) == 1:
-            return chunks, ""
-        words = f"split into {len(chunks)} arrays of at most {len(chunks[0])} tasks (MaxArraySize {limits.max_array_size})"
-        if plan.max_parallel:
-            words += f", each starting once the one before has ended, so that at most {plan.max_parallel} run at once"
-        return chunks, words
+        return split(len(plan.tasks), limits, self.room_for(limits), plan.max_parallel, watched)
 
-    def submit(self, plan: Plan) -> dict[int, str]:
+    def submit(self, plan: Plan, watched: bool = False) -> dict[int, str]:
         import submitit
         from submitit.core.utils import FailedJobError
 
         from train_entry.agent import submitit_entry
 
-        chunks, _ = self.arrays(plan)
-        self.check(plan, len(chunks[0]))  # also fails fast, with a timeout, when the controller does not answer
+        parts = self.split(plan, watched)
+        self.check(plan, len(parts.arrays[0]) if parts.arrays else None)  # also fails fast when the controller does not answer
         python = python_command(plan)
         try:
             executor = submitit.SlurmExecutor(folder=submitit_folder(plan), python=python)
         except RuntimeError:
             raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
         params = batch_parameters(plan)
-        # what a resubmission of one task reuses
+        # what a resubmission of one task, and the watcher's submission of waiting ones, reuse
         contract.atomic_write_json(params_path(plan.run_dir), {**params, PYTHON_KEY: python})
         tasks = sorted(plan.tasks, key=lambda t: t.index)
         out: dict[int, str] = {}
         arrays: list[str] = []
         try:
-            for chunk in chunks:
+            for chunk in parts.arrays:
                 part = [tasks[i] for i in chunk]
                 extra = dict(params["additional_parameters"])
                 if arrays and plan.max_parallel:
@@ -419,6 +392,27 @@ class SlurmScheduler:
                 raise SchedulerError(explain_refusal(str(exc), plan)) from None
             raise
         return out
+
+    def submit_tasks(self, run_dir: Path, indices: list[int], max_parallel: int | None, after: str | None, tag: str) -> dict[int, str]:
+        """Tasks that waited for room in the queue, as one array with the experiment's own
+        request (named with ``tag``; after job ``after`` when one max_parallel budget chains them)."""
+        from submitit.core.utils import FailedJobError
+
+        from train_entry.agent import submitit_entry
+
+        def adjust(params: dict) -> None:
+            params["array_parallelism"] = min(max_parallel or len(indices), len(indices))
+            extra = params.setdefault("additional_parameters", {})
+            if after:
+                extra["dependency"] = ",".join(filter(None, [str(extra.get("dependency") or ""), f"afterany:{after}"]))
+
+        executor = _saved_executor(run_dir, tag, adjust)
+        try:
+            jobs = executor.map_array(submitit_entry, [str(contract.task_dir(run_dir, i)) for i in indices])
+        except FailedJobError as exc:
+            # transient as a rule (another job of the user took the room first): the watcher tries again
+            raise SchedulerError(f"SLURM refused the waiting tasks' array: {' '.join(str(exc).split())[:400]}") from None
+        return {i: job.job_id for i, job in zip(indices, jobs)}
 
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
         if not refs:
@@ -480,24 +474,16 @@ class SlurmScheduler:
 
     def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
         """One task as a new job, with the experiment's own request; returns its id."""
-        import submitit
-
         from train_entry.agent import submitit_entry
 
-        params = contract.read_json(params_path(run_dir))
-        if params is None:
-            raise SchedulerError(f"cannot resubmit: {params_path(run_dir)} is missing")
-        python = _python_words(params.pop(PYTHON_KEY, None))
-        params.pop("array_parallelism", None)
-        params["job_name"] = f"{params['job_name']}-{tag}"
-        excluded = sorted({*filter(None, str(params.get("exclude") or "").split(",")), *exclude})
-        if excluded:
-            params["exclude"] = ",".join(excluded)
-        params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
-        check_parameters(params, Path(run_dir) / "submitit")  # the file may have been edited since
-        executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit", python=python)
-        executor.update_parameters(**params)
-        return executor.submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id
+        def adjust(params: dict) -> None:
+            params.pop("array_parallelism", None)
+            excluded = sorted({*filter(None, str(params.get("exclude") or "").split(",")), *exclude})
+            if excluded:
+                params["exclude"] = ",".join(excluded)
+            params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
+
+        return _saved_executor(run_dir, tag, adjust).submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
         """The job a resubmission with ``tag`` made, if SLURM has it (for a watcher that
@@ -512,10 +498,34 @@ class SlurmScheduler:
             ).stdout.split()
         return out[0] if out else None
 
+    def find_tasks(self, run_dir: Path, tag: str, since: float, indices: list[int]) -> dict[int, str]:
+        job = self.find_submission(run_dir, tag, since)
+        if job is None:
+            return {}
+        array = parse_job_id(job).job  # array task k is the k-th of ``indices``, as submit_tasks sent them
+        return {idx: f"{array}_{k}" for k, idx in enumerate(indices)}
+
     def node_states(self) -> dict[str, str]:
         """Every node's state (``sinfo``): failed nodes are excluded from recovered tasks."""
         out = self.runner.query(["sinfo", "-h", "-N", "-o", "%N|%T"], timeout=QUERY_TIMEOUT_S).stdout
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+
+
+def _saved_executor(run_dir: Path, tag: str, adjust):
+    """submitit's executor with the experiment's own request as submit saved it (named with
+    ``tag``), changed by ``adjust``; checked again, since the file may have been edited since."""
+    import submitit
+
+    params = contract.read_json(params_path(run_dir))
+    if params is None:
+        raise SchedulerError(f"cannot submit: {params_path(run_dir)} is missing")
+    python = _python_words(params.pop(PYTHON_KEY, None))
+    params["job_name"] = f"{params['job_name']}-{tag}"
+    adjust(params)
+    check_parameters(params, Path(run_dir) / "submitit")
+    executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit", python=python)
+    executor.update_parameters(**params)
+    return executor
 
 
 def _python_words(text) -> str:

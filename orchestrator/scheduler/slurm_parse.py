@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 
 from orchestrator.contract import expand_hostlist
@@ -202,17 +203,27 @@ class SqueueRecord:
     state: AttemptState
     reason: str
     nodes: tuple[str, ...]
+    started_at: float | None = None  # when the current run started (None while pending)
+
+
+def _local_time(text: str) -> float | None:
+    """squeue's ``%S`` (local time, ISO, or ``N/A``) as epoch seconds."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
 
 
 def parse_squeue(text: str) -> list[SqueueRecord]:
-    """Lines of ``squeue -h -o '%i|%T|%r|%N'``."""
+    """Lines of ``squeue -h -o '%i|%T|%r|%N|%S'`` (the start time may be left out)."""
     out = []
     for line in text.splitlines():
         parts = line.split("|")
-        if line.startswith("#") or len(parts) != 4:
+        if line.startswith("#") or len(parts) not in (4, 5):
             continue
         state, _ = translate_state(parts[1])
-        out.append(SqueueRecord(parse_job_id(parts[0]), state, parts[2], tuple(expand_hostlist(parts[3])) if parts[3] else ()))
+        started = _local_time(parts[4]) if len(parts) == 5 and state != AttemptState.PENDING else None
+        out.append(SqueueRecord(parse_job_id(parts[0]), state, parts[2], tuple(expand_hostlist(parts[3])) if parts[3] else (), started))
     return out
 
 
@@ -261,7 +272,7 @@ def observe(
         ended = tuple((r.state, _reason(r, user_of), ",".join(r.nodes)) for r in runs.get(key, []) if r.state.ended)
         if (q := live.get(key)) is not None and not (q.state.ended and key in runs):
             reason = q.reason if q.state == AttemptState.PENDING and q.reason not in ("None", "") else ""
-            out[key] = Observation(key, q.state, None, reason, ",".join(q.nodes), ended)
+            out[key] = Observation(key, q.state, None, reason, ",".join(q.nodes), ended, started_at=q.started_at)
         elif key in runs:
             r = runs[key][-1]
             code = r.exit_code if r.state.ended else None

@@ -127,18 +127,19 @@ def write_run_folder(plan: Plan) -> None:
             contract.atomic_write_json(contract.deepspeed_config_path(t.task_dir), config["deepspeed_config"])
 
 
-def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None) -> dict[int, str]:
-    """Write the run folder, record the experiment, submit; on failure leave nothing half-made."""
+def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None, watched: bool = False) -> dict[int, str]:
+    """Write the run folder, record the experiment, submit; on failure leave nothing half-made.
+    ``watched``: a watcher will run, so tasks the queue has no room for yet may wait for it."""
     scheduler = scheduler or get_scheduler(plan.executor)
     # the run folder, submitit's files and (through sbatch's SLURM_UMASK) the job's logs
     old_umask = perms.apply(plan.spec.resources.share_with_group)
     try:
-        return _submit(ledger, plan, scheduler)
+        return _submit(ledger, plan, scheduler, watched)
     finally:
         os.umask(old_umask)
 
 
-def _submit(ledger: Ledger, plan: Plan, scheduler: Scheduler) -> dict[int, str]:
+def _submit(ledger: Ledger, plan: Plan, scheduler: Scheduler, watched: bool) -> dict[int, str]:
     write_run_folder(plan)
     ledger.create_experiment(
         {
@@ -152,11 +153,27 @@ def _submit(ledger: Ledger, plan: Plan, scheduler: Scheduler) -> dict[int, str]:
         [{"idx": t.index, "params": t.params, "task_dir": str(t.task_dir)} for t in plan.tasks],
     )
     try:
-        job_ids = scheduler.submit(plan)
+        job_ids = scheduler.submit(plan, watched)
     except BaseException:
         ledger.delete_experiment(plan.experiment_id)
         shutil.rmtree(plan.run_dir, ignore_errors=True)
         raise
     for idx, job_id in job_ids.items():
         ledger.add_attempt(plan.experiment_id, idx, job_id, f"submitted to the {scheduler.name} executor as job {job_id}")
+    waiting = sorted(t.index for t in plan.tasks if t.index not in job_ids)
+    if waiting:
+        ledger.event(plan.experiment_id, "queue.waiting",
+                     f"{len(waiting)} task(s) wait for room in SLURM's queue ({format_indices(waiting)}): "
+                     "the watcher submits them as jobs end")
     return job_ids
+
+
+def format_indices(indices: list[int]) -> str:
+    """Task indices as runs: 0-9,12,14-15."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

@@ -8,7 +8,7 @@ from orchestrator.errors import UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import JobRef, get_scheduler
 from orchestrator.supervise.refresh import live_attempts
-from orchestrator.states import AttemptState
+from orchestrator.states import AttemptState, TaskState
 
 
 def cancel(ledger: Ledger, exp: dict, index: int | None = None) -> list[int]:
@@ -21,10 +21,16 @@ def cancel(ledger: Ledger, exp: dict, index: int | None = None) -> list[int]:
             continue
         refs.append(JobRef(item.attempt["job_id"], Path(exp["run_dir"]), item.task["idx"]))
         cancelled.append(item.task["idx"])
-    if index is not None and index not in cancelled:
-        tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
-        if index not in tasks:
-            raise UserError(f"experiment {exp['id']} has no task {index} (it has {len(tasks)})")
+    tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
+    if index is not None and index not in tasks:
+        raise UserError(f"experiment {exp['id']} has no task {index} (it has {len(tasks)})")
+    # tasks still waiting for room in the queue have no job: they end here (a watcher
+    # submitting one right now cancels its job when it records it)
+    with_attempts = {a["idx"] for a in ledger.attempts(exp["id"])}
+    for idx, task in tasks.items():
+        if (index is None or idx == index) and idx not in with_attempts and not TaskState(task["state"]).terminal:
+            ledger.set_task_state(exp["id"], idx, TaskState.CANCELLED, "orchestrate cancel: it was still waiting for room in the queue")
+            cancelled.append(idx)
     if refs:
         get_scheduler(exp["executor"]).cancel(refs)
         for idx in cancelled:

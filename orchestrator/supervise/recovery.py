@@ -90,11 +90,13 @@ class RecoveryKind(TextEnum):
     # the ranks saved on the signal but their node could not requeue the job (no scontrol in a
     # container): back into the queue under its id at once; a requeue, not a recovery
     REQUEUE_SAVED = "requeue_saved"
+    # not a recovery: a task that waited for room in SLURM's queue (site limits) goes out
+    SUBMIT = "submit"
 
     @property
     def counts(self) -> bool:
         """Whether it uses up one of ``retry.max_recoveries``."""
-        return self not in (RecoveryKind.FAIL, RecoveryKind.REQUEUE_SAVED, RecoveryKind.NONE)
+        return self not in (RecoveryKind.FAIL, RecoveryKind.REQUEUE_SAVED, RecoveryKind.NONE, RecoveryKind.SUBMIT)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,29 @@ def unanswered_for(asked_at: float, stopped: int, nodes: int, now: float) -> flo
     deadline = AGENT_ANSWER_S if stopped == 0 else STOP_BARRIER_S + AGENT_ANSWER_S
     age = now - asked_at
     return age if age > deadline else None
+
+
+# The wait before a requeue that did not take is given up: SLURM kills a job's processes within
+# KillWait (30 s by default) and gives up on unkillable ones after UnkillableStepTimeout (60 s)
+REQUEUE_TAKE_S = 120.0
+
+
+def requeue_not_taken(action: dict | None, obs: Observation | None, now: float, wait_s: float = REQUEUE_TAKE_S) -> str | None:
+    """Why a job the watcher requeued has not gone back to the queue ``wait_s`` after the
+    requeue (None: it has, or may still): it still runs the run from before the requeue
+    (processes SLURM cannot kill, or a site that ignores the request), or it ended without
+    coming back. Then only a new job will do."""
+    if action is None or action["kind"] != RecoveryKind.REQUEUE or action["state"] != "DONE" or obs is None:
+        return None
+    done_at = action.get("done_at") or 0
+    if now - done_at < wait_s or obs.state == AttemptState.PENDING:
+        return None
+    job = action["detail"].get("job_id")
+    if obs.state in (AttemptState.RUNNING, AttemptState.UNKNOWN):
+        if obs.started_at is None or obs.started_at >= done_at - 1:
+            return None  # it runs again (its agents have not written their launch yet), or we cannot tell
+        return f"job {job} was requeued {now - done_at:.0f} s ago and still runs the run from before (SLURM could not stop it)"
+    return f"job {job} was requeued {now - done_at:.0f} s ago and ended without going back to the queue ({obs.state.value.lower()})"
 
 
 # ---------------------------------------------------------------- exclusions SLURM cannot meet

@@ -28,7 +28,7 @@ from orchestrator.contract import ExitCode, FailureKind, GenerationAction, Reque
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
-from orchestrator.scheduler import JobRef, get_scheduler
+from orchestrator.scheduler import JobRef, get_scheduler, site_limits
 from orchestrator.contract import records
 from orchestrator.supervise import badrecords, recovery, refresh
 from orchestrator.supervise.launches import read_generation_ends, read_launch, read_launches
@@ -48,6 +48,14 @@ def lease_name(exp_id: str) -> str:
     return f"watch:{exp_id}"
 
 
+ALL_LEASE = "watch:*"  # held by a watcher of every live experiment, new ones included
+
+
+def watching_all(ledger: Ledger) -> bool:
+    """Whether a watcher runs that takes up every new experiment (`orchestrate watch` with no id)."""
+    return ledger.lease(ALL_LEASE) is not None
+
+
 def spec_exclude(exp: dict) -> list[str]:
     """The spec's own resources.exclude (the ledger keeps the merged spec)."""
     try:
@@ -61,6 +69,33 @@ def with_spec_exclude(exp: dict, nodes: list[str]) -> list[str]:
     """Nodes a recovery keeps the job off, plus the spec's own: SLURM's update replaces the
     job's list, and the spec's nodes must never come back. Empty stays empty (no update)."""
     return sorted({*nodes, *spec_exclude(exp)}) if nodes else []
+
+def requeue_take_s() -> float:
+    """How long a requeue may take to show before it is given up (tests shorten it)."""
+    try:
+        return max(1.0, float(os.environ.get(envvars.REQUEUE_TAKE_S) or recovery.REQUEUE_TAKE_S))
+    except ValueError:
+        return recovery.REQUEUE_TAKE_S
+
+
+def experiment_max_parallel(exp: dict) -> int | None:
+    """sweep.max_parallel of the experiment (the ledger keeps the merged spec)."""
+    try:
+        value = json.loads(exp.get("spec") or "{}").get("sweep", {}).get("max_parallel")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def chain_tail(attempts: list[dict]) -> str | None:
+    """The experiment's array submitted last (first attempts only: a recovery's new job is
+    no part of the chain): the next array waits for it under one max_parallel budget."""
+    firsts = [a for a in attempts if a["number"] == 1 and a.get("job_id")]
+    if not firsts:
+        return None
+    last = max(firsts, key=lambda a: (a.get("submitted_at") or 0, len(a["job_id"].split("_")[0]), a["job_id"].split("_")[0]))
+    return last["job_id"].split("_")[0]
+
 
 class Watcher:
     def __init__(self, ledger: Ledger, interval_s: float = 5.0, schedulers: dict | None = None, clock: Callable[[], float] = time.time):
@@ -88,6 +123,8 @@ class Watcher:
         for exp in exps:
             exp = self.ledger.experiment(exp["id"])
             if TaskState(exp["state"]).terminal:
+                if self._submissions_planned(exp) and observations is not None and self._lease(exp):
+                    self._queue_waiting(exp, [])  # a task cancelled while its job went out: that job is cancelled too
                 self.ledger.release_lease(lease_name(exp["id"]), self.owner)
                 continue
             if not self._lease(exp):
@@ -99,11 +136,13 @@ class Watcher:
                 self._unreachable.discard(exp["id"])
                 self.ledger.event(exp["id"], "scheduler.reachable", "the scheduler answers again; catching up")
             node_states: dict | None = None
+            waiting: list[int] = []
             for task in self.ledger.tasks(exp["id"]):
                 if TaskState(task["state"]).terminal:
                     continue
                 attempts = self.ledger.attempts(exp["id"], task["idx"])
                 if not attempts:
+                    waiting.append(task["idx"])
                     continue
                 cfg = self._task_config(exp, task)
                 attempt = attempts[-1]
@@ -116,6 +155,7 @@ class Watcher:
                         self._release_hold(exp, task, attempt, cfg, observations.get(attempt["job_id"]))
                         self._unschedulable(exp, task, attempts, observations.get(attempt["job_id"]))
                     if task["state"] == TaskState.RECOVERING.value and observations is not None:
+                        self._requeue_not_taken(exp, task, attempts, observations.get(attempt["job_id"]))
                         if node_states is None:
                             node_states = self._node_states(exp["executor"])
                         self._recover(exp, task, attempts, cfg, observations, node_states)
@@ -123,6 +163,14 @@ class Watcher:
                     log.warning("%s task %s: the scheduler did not answer (%s); will retry", exp["id"], task["idx"], exc)
                 except Exception as exc:  # one task's trouble never stops the others' recovery
                     self._task_failed(exp, task, exc)
+            if (waiting or self._submissions_planned(exp)) and observations is not None \
+                    and self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
+                try:
+                    self._queue_waiting(exp, waiting)
+                except SchedulerError as exc:
+                    log.warning("%s: could not submit the tasks waiting for room in the queue (%s); will retry", exp["id"], exc)
+                except Exception as exc:
+                    self._task_failed(exp, {"idx": None}, exc)
 
     def _task_failed(self, exp: dict, task: dict, exc: Exception) -> None:
         """An event of the task, once per distinct error (strict mode, the tests': raise)."""
@@ -245,6 +293,69 @@ class Watcher:
                     self.ledger.set_attempt_exclude(exp_id, idx, a["number"], [n for n in nodes if n != verdict.lift])
             self.ledger.event(exp_id, "recovery.exclusion_lifted", verdict.cause, idx=idx, attempt=attempts[-1]["number"])
 
+    # ------------------------------------------------------------ tasks waiting for room in the queue
+
+    def _submissions_planned(self, exp: dict) -> list[dict]:
+        return [a for a in self.ledger.actions(exp["id"], state=ActionState.PLANNED) if a["kind"] == RecoveryKind.SUBMIT]
+
+    def _queue_waiting(self, exp: dict, waiting: list[int]) -> None:
+        """Tasks the queue had no room for (MaxSubmitJobs, MaxJobCount) go out as one array
+        each time enough room frees up. Written down before sbatch, recorded after: a watcher
+        killed in between finds its array by name, or learns that none went out."""
+        planned = self._submissions_planned(exp)
+        if planned:
+            self._finish_submissions(exp, planned)
+            return  # the next cycle looks again, with what is now queued
+        sched, run_dir = self.scheduler(exp["executor"]), Path(exp["run_dir"])
+        attempts = self.ledger.attempts(exp["id"])
+        latest = {a["idx"]: a for a in attempts}  # ordered by idx, number: the last wins
+        ours = sum(1 for a in latest.values() if not AttemptState(a["state"]).ended)
+        max_parallel = experiment_max_parallel(exp)
+        now = sched.queue_room(run_dir)
+        batch = site_limits.next_batch(waiting, now, max_parallel, ours)
+        if not batch:
+            return
+        after = chain_tail(attempts) if max_parallel else None
+        if after is not None and not any(a["job_id"].split("_")[0] == after and not AttemptState(a["state"]).ended for a in latest.values()):
+            after = None  # it ended: nothing to wait for (and SLURM may have forgotten it)
+        tag = f"q{secrets.token_hex(3)}"
+        room = f"room for {now.jobs} more job(s) ({now.words})" if now.jobs is not None else "no queue limit now"
+        cause = f"{len(batch)} of {len(waiting)} waiting task(s) go out as one array ({room})" + (f", after array {after}" if after else "")
+        with self.ledger.tx():
+            for position, idx in enumerate(batch):
+                self.ledger.plan_action(exp["id"], idx, 0, RecoveryKind.SUBMIT.value, {"tag": tag, "position": position, "after": after}, cause, topic="queue")
+        _fault_point("after-queue-plan")
+        jobs = sched.submit_tasks(run_dir, batch, max_parallel, after, tag)
+        _fault_point("after-queue-submit")
+        self._record_submission(exp, jobs, f"submitted when room freed in the queue as job {{job}} ({tag})")
+
+    def _finish_submissions(self, exp: dict, planned: list[dict]) -> None:
+        sched, run_dir = self.scheduler(exp["executor"]), Path(exp["run_dir"])
+        for tag in dict.fromkeys(a["detail"].get("tag") for a in planned):
+            rows = sorted((a for a in planned if a["detail"].get("tag") == tag), key=lambda a: a["detail"].get("position", 0))
+            indices = [a["idx"] for a in rows]
+            jobs = sched.find_tasks(run_dir, str(tag), min(a["created_at"] for a in rows), indices)
+            if jobs:
+                self._record_submission(exp, jobs, f"a watcher submitted it as job {{job}} ({tag}) and was stopped before recording it")
+                continue
+            with self.ledger.tx():
+                for a in rows:
+                    self.ledger.drop_action(exp["id"], a["idx"], 0, f"the scheduler has no job named for {tag}: "
+                                            "the submission never went out; the task waits again", topic="queue")
+
+    def _record_submission(self, exp: dict, jobs: dict[int, str], cause: str) -> None:
+        """The waiting tasks' jobs, as attempts; a task cancelled meanwhile has its job cancelled too."""
+        cancelled = []
+        with self.ledger.tx():
+            for idx, job in jobs.items():
+                if not self.ledger.attempts(exp["id"], idx):
+                    self.ledger.add_attempt(exp["id"], idx, job, cause.format(job=job))
+                self.ledger.finish_action(exp["id"], idx, 0, {"job_id": job}, cause.format(job=job), topic="queue")
+                if TaskState(self.ledger.task(exp["id"], idx)["state"]).terminal:
+                    cancelled.append(JobRef(job, Path(exp["run_dir"]), idx))
+        if cancelled:
+            self.scheduler(exp["executor"]).cancel(cancelled)
+
     # ------------------------------------------------------------ requeued jobs
 
     def _release_hold(self, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, obs) -> None:
@@ -273,6 +384,23 @@ class Watcher:
                  "released to start at once (retry.release_hold)")
         if not self.ledger.has_event(exp["id"], "recovery.hold_released", cause, idx=task["idx"]):
             self.ledger.event(exp["id"], "recovery.hold_released", cause, idx=task["idx"], attempt=attempt["number"])
+
+    def _requeue_not_taken(self, exp: dict, task: dict, attempts: list[dict], obs) -> None:
+        """A requeue that never took (the job still runs what it ran, stuck past SLURM's kill,
+        or ended without coming back): the job is cancelled and the task goes out as a new
+        job. The requeue's action becomes the resubmission, written down before it is made."""
+        attempt = attempts[-1]
+        action = next((a for a in self.ledger.actions(exp["id"], task["idx"]) if a["attempt"] == attempt["number"]), None)
+        cause = recovery.requeue_not_taken(action, obs, self.clock(), requeue_take_s())
+        if cause is None:
+            return
+        sched = self.scheduler(exp["executor"])
+        # first: a watcher killed after it finds the job ended and comes here again
+        sched.cancel([JobRef(attempt["job_id"], Path(exp["run_dir"]), task["idx"], attempt.get("submitted_at"))])
+        cause += ": cancelled, the task goes out as a new job"
+        detail = {**action["detail"], "delay_s": 0, "tag": f"r{secrets.token_hex(3)}"}
+        self.ledger.replan_action(exp["id"], task["idx"], attempt["number"], RecoveryKind.RESUBMIT.value, detail, cause)
+        self._carry_out(exp, task, attempt, RecoveryKind.RESUBMIT, detail, cause)
 
     # ------------------------------------------------------------ failed attempts
 
@@ -331,6 +459,8 @@ class Watcher:
     def _finish_planned(self, exp, task, attempts, observations) -> None:
         """Actions a watcher wrote down but did not finish (it was killed): finish them once."""
         for action in self.ledger.actions(exp["id"], task["idx"], state=ActionState.PLANNED):
+            if action["kind"] == RecoveryKind.SUBMIT:
+                continue  # a waiting task's submission: _queue_waiting finishes it
             attempt = next(a for a in attempts if a["number"] == action["attempt"])
             detail, sched = action["detail"], self.scheduler(exp["executor"])
             cause = f"finishing a recovery a watcher left halfway: {action['kind']} of job {detail.get('job_id')}"
@@ -379,6 +509,8 @@ def watch(
     watcher = Watcher(ledger, interval_s)
     try:
         while True:
+            if exp_ids is None:  # submit tells from this lease that a watcher will take up what it leaves waiting
+                ledger.acquire_lease(ALL_LEASE, watcher.owner, watcher._ttl())
             ids = exp_ids if exp_ids is not None else [e["id"] for e in ledger.find_experiments(live_only=True)]
             watcher.cycle(ids)
             if on_cycle:
