@@ -128,16 +128,24 @@ def one_experiment(tmp_path_factory):
     return spec, home
 
 
+def heavy_modules(argv: list[str]) -> tuple[str, ...]:
+    """What a command must not import: torch and its kin for all; the spec's models
+    (pydantic), YAML and numpy too for those that only read the ledger."""
+    heavy = ("torch", "deepspeed", "transformers", "peft", "safetensors")
+    return heavy if argv[0] == "validate" else heavy + ("pydantic", "yaml", "numpy")
+
+
 @pytest.mark.parametrize(
     "argv",
     [["validate", "{spec}"], ["status"], ["status", "light", "--json"], ["events", "light"], ["logs", "light"], ["cancel", "light"]],
 )
-def test_read_commands_do_not_import_torch(one_experiment, argv):
+def test_read_commands_import_only_what_they_use(one_experiment, argv):
     spec, home = one_experiment
     argv = [a.format(spec=spec) for a in argv]
     code = (
         "import sys, atexit, json; from orchestrator.cli.main import main\n"
-        "atexit.register(lambda: print('\\nMODULES ' + json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers', 'peft', 'safetensors')))))\n"
+        f"HEAVY = {heavy_modules(argv)!r}\n"
+        "atexit.register(lambda: print('\\nMODULES ' + json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in HEAVY))))\n"
         f"sys.exit(main({argv!r}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -145,3 +153,12 @@ def test_read_commands_do_not_import_torch(one_experiment, argv):
     assert out.returncode == 0, out.stdout + out.stderr
     heavy = json.loads(out.stdout.rsplit("MODULES ", 1)[1])
     assert heavy == [], f"orchestrate {' '.join(argv)} imported {heavy}"
+
+
+def test_polling_slurm_imports_no_spec_models():
+    """A `status` of a SLURM experiment asks squeue and sacct; the batch script's half
+    (slurm_script, with the spec's pydantic models) is imported only to submit."""
+    code = ("import sys; from orchestrator.cli import render; from orchestrator.supervise import refresh; "
+            "from orchestrator.scheduler import slurm; print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'yaml', 'numpy', 'submitit'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -324,18 +324,42 @@ def test_a_watcher_killed_in_the_middle_of_a_recovery_makes_exactly_one_new_atte
     assert runs[-1] == "COMPLETED" and len(runs) == 2, runs  # one requeue, not two
 
 
-def test_sacct_failing_for_a_while_triggers_no_requeue_and_the_watcher_catches_up(slurm, home, tmp_path, watchers):
-    exp_id, tdir = start(home, tmp_path, watchers, "nodbd", steps=2200)
+def test_accounting_down_for_the_rest_of_a_run_is_not_needed_and_triggers_no_requeue(slurm, home, tmp_path, watchers):
+    # the watcher asks slurmdbd (sacct) only for jobs that left the queue without their agents
+    # saying how, or came back to it: a run that goes on and ends by itself needs only squeue
+    exp_id, tdir = start(home, tmp_path, watchers, "nodbd", steps=600)
     wait_for_step(tdir, 100)
     ctl = [sys.executable, str(REPO / "scripts" / "slurm-local")]
     subprocess.run([*ctl, "accounting", "stop"], check=True, timeout=60, capture_output=True)
     try:
-        time.sleep(6)  # several watcher cycles in which sacct fails
+        exp, ledger = finish(home, exp_id, watchers[-1], timeout=200)
     finally:
         subprocess.run([*ctl, "accounting", "start"], check=True, timeout=60, capture_output=True)
-    exp, ledger = finish(home, exp_id, watchers[-1], timeout=200)
     assert exp["state"] == "COMPLETED", exp
     [attempt] = ledger.attempts(exp_id, 0)
     assert attempt["state"] == "COMPLETED" and ledger.actions(exp_id) == []
     told = [k for k in kinds(ledger, exp_id) if k.startswith("scheduler.")]
-    assert told == ["scheduler.unreachable", "scheduler.reachable"], told
+    assert told == [], told
+
+
+def test_a_job_that_left_the_queue_while_accounting_is_down_is_decided_only_once_accounting_answers(slurm, home, tmp_path, watchers):
+    exp_id, _ = start(home, tmp_path, watchers, "gonejob")
+    job = status_json(home, exp_id)["experiments"][0]["tasks"][0]["job_id"]
+    slurm_run("scontrol", "hold", job)  # it stays pending: nothing of it is on disk
+    ledger = Ledger.open(home / "ledger.db")
+    ctl = [sys.executable, str(REPO / "scripts" / "slurm-local")]
+    subprocess.run([*ctl, "accounting", "stop"], check=True, timeout=60, capture_output=True)
+    try:
+        slurm_run("scancel", job)  # gone from squeue; only accounting can say how
+        deadline = time.time() + 60
+        while "scheduler.unreachable" not in kinds(ledger, exp_id):
+            assert time.time() < deadline, kinds(ledger, exp_id)
+            time.sleep(0.5)
+        time.sleep(3)  # several cycles without an answer: nothing is decided meanwhile
+        assert [t["state"] for t in ledger.tasks(exp_id)] == ["PENDING"] and ledger.actions(exp_id) == []
+    finally:
+        subprocess.run([*ctl, "accounting", "start"], check=True, timeout=60, capture_output=True)
+    exp, ledger = finish(home, exp_id, watchers[-1], timeout=120)
+    assert exp["state"] == "CANCELLED" and ledger.actions(exp_id) == [], exp
+    [attempt] = ledger.attempts(exp_id, 0)
+    assert attempt["state"] == "CANCELLED" and "cancelled by" in attempt["reason"], attempt

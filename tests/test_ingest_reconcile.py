@@ -144,3 +144,41 @@ def test_restarts_in_place_become_one_event_each_and_only_the_last_generations_e
     d = decide(ledger.attempt("e", 0, number), rec, None)
     assert d.task_state == TaskState.FAILED and d.attempt["failure"] == "user_error"
     assert "came back at step 2" in d.attempt["reason"] and "again" in d.attempt["reason"] and d.attempt["error"] == "tb1"
+
+
+def test_the_watcher_asks_the_scheduler_when_the_files_call_for_it_and_otherwise_ever_less_often():
+    from types import SimpleNamespace as NS
+
+    from orchestrator.scheduler.base import Observation
+    from orchestrator.states import AttemptState as A
+    from orchestrator.supervise.refresh import LiveTask, PollPacer, needs_scheduler
+
+    pacer = PollPacer(5.0, 60.0)
+    assert pacer.due(False, 0.0)  # never asked yet
+    running = {"7_0": Observation("7_0", A.RUNNING)}
+    pacer.seen(running, 0.0)  # new to it: a change
+    assert not pacer.due(False, 4.0) and pacer.due(False, 5.0)
+    pacer.seen(running, 5.0)
+    assert not pacer.due(False, 14.0) and pacer.due(False, 15.0)  # nothing changed: twice the cycle
+    for t in (15.0, 35.0, 75.0):
+        pacer.seen(running, t)
+    assert pacer.interval_s == 60.0 and not pacer.due(False, 134.0) and pacer.due(True, 76.0)  # capped; the files can always hurry it
+    pacer.seen({"7_0": Observation("7_0", A.COMPLETED)}, 80.0)
+    assert pacer.interval_s == 5.0  # something changed: back to every cycle
+    pacer.hurry()
+    assert pacer.due(False, 80.1)
+
+    def item(task_state="RUNNING", launch="7_0.1"):
+        return LiveTask({"id": "e"}, {"idx": 0, "state": task_state}, {"job_id": "7_0", "launch": launch})
+
+    live, ended, other = NS(job_id="7_0", key="7_0.1", ended=False), NS(job_id="7_0", key="7_0.1", ended=True), NS(job_id="6_0", key="6_0.1", ended=True)
+    assert not needs_scheduler(item(), [live]) and not needs_scheduler(item(launch=None), [])
+    assert not needs_scheduler(item(launch=None), [NS(job_id="7_0", key="7_0.1", ended=False)])  # it started: the files say so
+    assert not needs_scheduler(item(), [other, live])  # an older job's launch says nothing of this one
+    assert needs_scheduler(item(), [ended])  # why did it stop?
+    assert needs_scheduler(item(), [live, NS(job_id="7_0", key="7_0.2", ended=False)])  # it ran again: requeued
+    assert needs_scheduler(item("RECOVERING"), [])  # a recovery in flight
+    # ... unless its job only waits for resources; a hold to release or an exclusion to lift is acted on
+    assert not needs_scheduler(item("RECOVERING"), [], Observation("7_0", A.PENDING, reason="Priority"))
+    assert needs_scheduler(item("RECOVERING"), [], Observation("7_0", A.PENDING, reason="BeginTime"))
+    assert needs_scheduler(item("RECOVERING"), [], Observation("7_0", A.RUNNING))

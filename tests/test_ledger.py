@@ -194,3 +194,40 @@ def test_filesystem_type_reads_mounts():
     from orchestrator.ledger import filesystem_type
 
     assert filesystem_type("/") is not None
+
+
+def test_a_cycle_is_one_transaction_and_one_tasks_failure_undoes_only_its_own_part(tmp_path, monkeypatch):
+    from orchestrator import contract
+    from orchestrator.scheduler.base import Capabilities
+    from orchestrator.supervise import reconcile, refresh
+
+    class Quiet:
+        name, capabilities = "slurm", Capabilities(False, False, False)
+
+        def poll(self, refs):
+            return {}
+
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    ledger.strict = False
+    ledger.create_experiment({"id": "e", "name": "n", "executor": "slurm", "spec_path": "x", "run_dir": str(tmp_path), "spec": "{}"},
+                             [{"idx": i, "params": {}, "task_dir": str(tmp_path / f"t{i}")} for i in range(3)])
+    for i in range(3):
+        ledger.add_attempt("e", i, f"7_{i}", "submitted")
+        (tmp_path / f"t{i}").mkdir()
+        contract.append_jsonl(contract.metrics_path(tmp_path / f"t{i}"), {"step": 5, "loss": 1.5, "time": 1.0})
+    commits = []
+    ledger.db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql.strip().upper() == "COMMIT" else None)
+    real = reconcile.plan_refresh
+
+    def broken_for_task_1(attempt, *a, **kw):
+        if attempt["idx"] == 1:
+            ledger.event("e", "half.done", "written, then undone", idx=1)
+            raise RuntimeError("a bug in one task's reconciling")
+        return real(attempt, *a, **kw)
+
+    monkeypatch.setattr(reconcile, "plan_refresh", broken_for_task_1)
+    refresh.refresh(ledger, [ledger.experiment("e")], {"slurm": Quiet()})
+    assert len(commits) == 2  # the files of every task in one transaction, what they mean in another
+    assert [t["loss"] for t in ledger.tasks("e")] == [1.5, 1.5, 1.5]  # task 1's ingest stands
+    kinds = [(e["kind"], e["idx"]) for e in ledger.events("e")]
+    assert ("half.done", 1) not in kinds and ("refresh.failed", 1) in kinds

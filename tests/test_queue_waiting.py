@@ -7,7 +7,7 @@ import json
 
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler.base import Capabilities, Observation
-from orchestrator.scheduler.site_limits import Room
+from orchestrator.scheduler.site_limits import QUEUE_WAITING, Room
 from orchestrator.states import AttemptState, TaskState
 from orchestrator.supervise import cancel
 from orchestrator.supervise.watcher import ALL_LEASE, Watcher, watching_all
@@ -17,7 +17,7 @@ class Queue:
     """A queue with MaxSubmitJobs ``limit``: every job it holds is pending until ``end`` is called."""
 
     name = "slurm"
-    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True)
+    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True, costly_poll=True)
 
     def __init__(self, limit):
         self.limit, self.jobs, self.ended, self.submissions, self.cancelled = limit, {}, set(), [], []
@@ -26,7 +26,7 @@ class Queue:
     def queued(self):
         return [j for j in self.jobs if j not in self.ended]
 
-    def queue_room(self, run_dir):
+    def queue_room(self, run_dir, wanted):
         return Room(self.limit - len(self.queued()), f"MaxSubmitJobs {self.limit}", self.limit, 10)
 
     def submit_tasks(self, run_dir, indices, max_parallel, after, tag):
@@ -52,7 +52,7 @@ class Queue:
         return {}
 
 
-def experiment(ledger, tmp_path, n, queue, submitted, max_parallel=None):
+def experiment(ledger, tmp_path, n, queue, submitted, max_parallel=None, marked=True):
     spec = {"sweep": {"max_parallel": max_parallel}}
     ledger.create_experiment(
         {"id": "e1", "name": "limits", "executor": "slurm", "spec_path": "x.yaml", "run_dir": str(tmp_path), "spec": json.dumps(spec)},
@@ -60,12 +60,14 @@ def experiment(ledger, tmp_path, n, queue, submitted, max_parallel=None):
     )
     for idx, job in queue.submit_tasks(tmp_path, list(range(submitted)), max_parallel, None, "first").items():
         ledger.add_attempt("e1", idx, job, "submitted")
+    if marked:  # as submission.submit says it, in the transaction of the first attempts
+        ledger.event("e1", QUEUE_WAITING, f"{n - submitted} task(s) wait")
 
 
 def test_waiting_tasks_go_out_as_room_frees_and_never_over_the_limit(tmp_path):
     ledger, queue = Ledger.memory(strict=True), Queue(limit=4)
     experiment(ledger, tmp_path, 7, queue, submitted=4)
-    w = Watcher(ledger, schedulers={"slurm": queue})
+    w = Watcher(ledger, interval_s=0.0, schedulers={"slurm": queue})
     w.cycle(["e1"])
     assert len(queue.submissions) == 1  # no room yet
     queue.ended |= {"101_0", "101_1"}
@@ -80,10 +82,17 @@ def test_waiting_tasks_go_out_as_room_frees_and_never_over_the_limit(tmp_path):
     assert "2 of 3 waiting task(s) go out as one array (room for 2 more job(s) (MaxSubmitJobs 4))" in done[0], done
 
 
+def test_tasks_without_a_job_are_left_alone_while_their_submission_is_still_recording_them(tmp_path):
+    ledger, queue = Ledger.memory(strict=True), Queue(limit=10)
+    experiment(ledger, tmp_path, 5, queue, submitted=2, marked=False)  # `submit` is between sbatch and its ledger rows
+    Watcher(ledger, interval_s=0.0, schedulers={"slurm": queue}).cycle(["e1"])
+    assert len(queue.submissions) == 1 and not ledger.attempts("e1", 4)
+
+
 def test_with_max_parallel_each_array_waits_for_a_full_budget_and_chains_after_the_last(tmp_path):
     ledger, queue = Ledger.memory(strict=True), Queue(limit=4)
     experiment(ledger, tmp_path, 9, queue, submitted=4, max_parallel=3)
-    w = Watcher(ledger, schedulers={"slurm": queue})
+    w = Watcher(ledger, interval_s=0.0, schedulers={"slurm": queue})
     queue.ended |= {"101_0", "101_1"}
     w.cycle(["e1"])
     assert len(queue.submissions) == 1  # room for 2 < a budget of 3 while the experiment still has jobs queued
@@ -105,7 +114,7 @@ def test_a_submission_a_killed_watcher_made_is_found_and_one_it_never_made_is_ma
     # and another wrote tasks 4 and 5 down and died before sbatch
     for k, idx in enumerate((4, 5)):
         ledger.plan_action("e1", idx, 0, "submit", {"tag": "qlost", "position": k, "after": None}, "planned", topic="queue")
-    w = Watcher(ledger, schedulers={"slurm": queue})
+    w = Watcher(ledger, interval_s=0.0, schedulers={"slurm": queue})
     w.cycle(["e1"])
     assert [ledger.attempts("e1", i)[0]["job_id"] for i in (2, 3)] == ["102_0", "102_1"] and len(queue.submissions) == 2
     assert not ledger.attempts("e1", 4) and [e["kind"] for e in ledger.events("e1")].count("queue.submit.dropped") == 2
@@ -124,7 +133,7 @@ def test_cancel_ends_waiting_tasks_at_once_and_a_job_submitted_meanwhile_is_canc
     ledger.plan_action("e1", 2, 0, "submit", {"tag": "qrace", "position": 0, "after": None}, "planned", topic="queue")
     queue.submit_tasks(tmp_path, [2], None, None, "qrace")
     ledger.set_task_state("e1", 2, TaskState.CANCELLED, "orchestrate cancel")
-    Watcher(ledger, schedulers={"slurm": queue}).cycle(["e1"])
+    Watcher(ledger, interval_s=0.0, schedulers={"slurm": queue}).cycle(["e1"])
     assert queue.cancelled == ["102_0"] and ledger.attempts("e1", 2)[0]["job_id"] == "102_0"
 
 

@@ -59,14 +59,24 @@ def test_unknown_executor_is_a_user_error():
         get_scheduler("pbs")
 
 
-def test_one_poll_is_one_sacct_and_one_squeue_for_all_jobs(tmp_path):
-    runner = FakeRunner({"sacct": "", "squeue": ""})
+def test_one_poll_is_one_squeue_for_all_jobs_and_sacct_only_for_those_that_left_the_queue_or_came_back(tmp_path):
+    from orchestrator.states import AttemptState as A
+
+    queue = "12_[0-1%2]|PENDING|JobArrayTaskLimit||N/A\n15|RUNNING|None|n1|2026-11-26T09:00:00\n16|PENDING|BeginTime||N/A\n"
+    runner = FakeRunner({"sacct": "", "squeue": queue})
     sched = get_scheduler("slurm", runner)
     refs = [JobRef(f"12_{i}", tmp_path, i, submitted_at=1.7e9) for i in range(3)] + [JobRef("15", tmp_path, 0, submitted_at=1.7e9)]
-    sched.poll(refs)
-    assert [c[0] for c in runner.calls] == ["sacct", "squeue"]
-    sacct = runner.calls[0]
-    assert sacct[sacct.index("-j") + 1] == "12,15" and "-D" in sacct and "-S" in sacct  # every run of a requeued job, since just before
+    refs.append(JobRef("16", tmp_path, 0, submitted_at=1.7e9, started=True))  # pending again after it ran: requeued
+    obs = sched.poll(refs)
+    assert [c[0] for c in runner.calls] == ["squeue", "sacct"]
+    sacct = runner.calls[1]
+    # 12_2 left the queue, 16 came back to it: every run of theirs, since just before they were submitted
+    assert sacct[sacct.index("-j") + 1] == "12,16" and "-D" in sacct and "-S" in sacct
+    assert obs["15"].state == A.RUNNING and obs["12_0"].state == A.PENDING and obs["16"].reason == "BeginTime"
+    # everything still queued and never run: the controller's view is enough, slurmdbd is not asked
+    runner.calls.clear()
+    sched.poll(refs[:2] + refs[3:4])
+    assert [c[0] for c in runner.calls] == ["squeue"]
 
 
 def test_requeue_tells_a_forgotten_job_from_a_failure_and_release_holds_and_excludes():
@@ -152,7 +162,7 @@ def test_without_accounting_the_poll_reads_the_controller_and_a_job_nobody_knows
     # decided once: the next poll does not ask sacct again
     runner.calls.clear()
     sched.poll(refs)
-    assert [c[0] for c in runner.calls] == ["scontrol", "squeue"]
+    assert [c[0] for c in runner.calls] == ["squeue", "scontrol"]
     # with accounting, any other sacct failure is the scheduler not answering: never a reason to act
     with pytest.raises(CommandError):
         SlurmScheduler(FakeRunner({"sacct": CommandError(["sacct"], 1, "", "Socket timed out")})).poll(refs)

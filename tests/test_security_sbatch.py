@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from conftest import write
 from orchestrator.errors import SpecError, UserError
-from orchestrator.scheduler.slurm import batch_parameters, check_parameters, render_batch_script
+from orchestrator.scheduler.slurm_script import batch_parameters, check_parameters, render_batch_script
 from orchestrator.spec.experiment import Spec
 from orchestrator.spec.load import load_spec
 from orchestrator.submit import fragments

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, write
 from orchestrator.errors import SpecError
-from orchestrator.scheduler.slurm import batch_parameters, explain_refusal, render_batch_script
+from orchestrator.scheduler.slurm_script import batch_parameters, explain_refusal, render_batch_script
 from orchestrator.submit.submission import make_plan
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
@@ -152,7 +152,7 @@ def test_container_mounts_and_images_are_checked_at_the_spec(tmp_path):
 
 
 def test_a_resubmission_reads_the_saved_python_back_as_plain_words():
-    from orchestrator.scheduler.slurm import _python_words
+    from orchestrator.scheduler.slurm_script import _python_words
 
     assert _python_words("apptainer exec --bind /r,/d /i.sif python3") == "apptainer exec --bind /r,/d /i.sif python3"
     assert _python_words("'/my env/python'") == "'/my env/python'"
@@ -191,6 +191,9 @@ def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_queue_room_waits_f
     assert "--watch" in str(err.value) and "orchestrate watch" in str(err.value)
     parts = SlurmScheduler(FakeRunner(limited)).split(plan, watched=True)
     assert parts.arrays == [range(0, 2)] and parts.waiting == range(2, 4) and "the watcher submits the other 2" in parts.words
+    # a full queue: nothing goes out now, and `sbatch --test-only` still checks an array SLURM takes
+    full = SlurmScheduler(FakeRunner({**limited, "squeue -h -r --me": "77_1\n77_2\n77_3\n"})).split(plan, watched=True)
+    assert full.arrays == [] and full.waiting == range(0, 4) and full.first == 3
     # a site that tells nothing: one array, as before, and no squeue to count jobs
     runner = FakeRunner()
     assert SlurmScheduler(runner).split(plan, watched=False).arrays == [range(0, 4)]

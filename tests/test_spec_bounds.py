@@ -296,7 +296,7 @@ def test_mem_0_is_all_of_the_nodes_memory_not_1_mb(tmp_path):
 
 
 def test_mem_0_reaches_sbatch_as_0(tmp_path):
-    from orchestrator.scheduler.slurm import batch_parameters
+    from orchestrator.scheduler.slurm_script import batch_parameters
     from orchestrator.submit.submission import make_plan
 
     plan = make_plan(str(write(tmp_path / "s.yaml", GOOD + "resources: {mem: '0'}\n")), [], "slurm", tmp_path)

@@ -217,6 +217,13 @@ def verify_checkpoint(folder: str | os.PathLike, deep: bool = False) -> str | No
 def commit_checkpoint(tmp: str | os.PathLike, manifest: dict) -> Path:
     """Write the manifest last and rename the folder into place (rank 0, after every rank saved)."""
     tmp = Path(tmp)
+    # the entries of the files in sub-folders (dcp/, rng/) are on disk too; only real folders
+    # inside this one, whatever a manifest names
+    subs = {d for rel in manifest.get("files", {}) if ".." not in Path(rel).parts and not Path(rel).is_absolute()
+            for d in (tmp / rel).parents if tmp in d.parents}
+    for sub in sorted(subs, key=lambda d: len(d.parts), reverse=True):
+        if os.path.isdir(sub) and not os.path.islink(sub):
+            fsync_dir(sub)
     atomic_write_json(tmp / MANIFEST, {**manifest, "format": CHECKPOINT_FORMAT})
     fsync_dir(tmp)
     final = tmp.parent / checkpoint_name(manifest["step"])

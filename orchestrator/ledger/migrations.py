@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import sqlite_utils
+from orchestrator.ledger.sqlite_utils_lean import sqlite_utils
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import sqlite_utils
+from orchestrator.ledger.sqlite_utils_lean import sqlite_utils
 
 from orchestrator.contract import envvars
 from orchestrator.errors import UserError
@@ -85,6 +85,7 @@ class Ledger:
         self.clock = clock
         self.strict = os.environ.get(envvars.STRICT_TRANSITIONS) == "1" if strict is None else strict
         self.shared, self.where = False, "memory"  # on a filesystem other hosts see (``ledger_shared``)
+        self._savepoints = 0
 
     # ------------------------------------------------------------ opening
 
@@ -144,6 +145,26 @@ class Ledger:
             raise
         conn.execute("COMMIT")
 
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """Inside a transaction: a part that is undone alone when it raises (one task's
+        refresh in a cycle's transaction), the rest kept."""
+        conn = self.db.conn
+        if not conn.in_transaction:
+            with self.tx():
+                yield
+            return
+        self._savepoints += 1
+        name = f"sp{self._savepoints}"
+        conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            conn.execute(f"ROLLBACK TO {name}")
+            conn.execute(f"RELEASE {name}")
+            raise
+        conn.execute(f"RELEASE {name}")
+
     # ------------------------------------------------------------ events
 
     def event(
@@ -169,6 +190,9 @@ class Ledger:
                 "cause": cause,
             }
         )
+
+    def has_event_of_kind(self, experiment_id: str, kind: str) -> bool:
+        return self.db.execute("select 1 from events where experiment_id = ? and kind = ? limit 1", [experiment_id, kind]).fetchone() is not None
 
     def has_event(self, experiment_id: str, kind: str, cause: str, *, idx: int | None = None) -> bool:
         """Whether this exact event was recorded already (events said once, not every refresh)."""
@@ -200,7 +224,7 @@ class Ledger:
     def delete_experiment(self, exp_id: str) -> None:
         """Remove an experiment whose submission failed before anything ran."""
         with self.tx():
-            for table in ("events", "metrics", "heartbeats", "attempts", "checkpoints", "tasks"):
+            for table in ("events", "metrics", "heartbeats", "attempts", "actions", "checkpoints", "tasks"):
                 self.db[table].delete_where("experiment_id = ?", [exp_id])
             self.db["experiments"].delete_where("id = ?", [exp_id])
 
@@ -252,7 +276,10 @@ class Ledger:
     def update_task(self, exp_id: str, idx: int, **fields: Any) -> None:
         """Progress columns (step, loss, heartbeat); the state goes through ``set_task_state``."""
         assert "state" not in fields, "task states change through set_task_state"
-        self.db["tasks"].update((exp_id, idx), {**fields, "updated_at": self.clock()})
+        fields["updated_at"] = self.clock()
+        sets = ", ".join(f'"{c}" = ?' for c in fields)  # our own column names, never a file's
+        with self.tx():
+            self.db.conn.execute(f"update tasks set {sets} where experiment_id = ? and idx = ?", [*fields.values(), exp_id, idx])
 
     def _illegal(self, exp_id: str, exc: TransitionError, cause: str, **where: Any) -> None:
         """A move the table forbids: a bug of ours (tests fail on it) or a stale observation."""
@@ -329,16 +356,29 @@ class Ledger:
 
     # ------------------------------------------------------------ heartbeats, metrics, cursors
 
+    def _upsert_many(self, table: str, rows: list[dict], pk: tuple[str, ...]) -> None:
+        """Insert or update rows with one prepared statement per set of columns: the ingest's
+        hot path (sqlite-utils' upsert reads the table's schema on every call)."""
+        groups: dict[tuple[str, ...], list[dict]] = {}
+        for r in rows:
+            groups.setdefault(tuple(r), []).append(r)
+        for cols, group in groups.items():
+            names = ", ".join(f'"{c}"' for c in cols)
+            sets = ", ".join(f'"{c}" = excluded."{c}"' for c in cols if c not in pk)
+            conflict = ", ".join(f'"{c}"' for c in pk)
+            sql = (f'insert into "{table}" ({names}) values ({", ".join("?" * len(cols))}) '
+                   f"on conflict ({conflict}) do " + (f"update set {sets}" if sets else "nothing"))
+            with self.tx():  # no-op inside the caller's transaction
+                self.db.conn.executemany(sql, [tuple(r[c] for c in cols) for r in group])
+
     def upsert_heartbeats(self, rows: list[dict]) -> None:
-        if rows:
-            self.db["heartbeats"].upsert_all(rows, pk=("experiment_id", "idx", "rank"))
+        self._upsert_many("heartbeats", rows, ("experiment_id", "idx", "rank"))
 
     def heartbeats(self, exp_id: str, idx: int) -> list[dict]:
         return list(self.db["heartbeats"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="rank"))
 
     def add_metrics(self, rows: list[dict]) -> None:
-        if rows:
-            self.db["metrics"].upsert_all(rows, pk=("experiment_id", "idx", "step"))
+        self._upsert_many("metrics", rows, ("experiment_id", "idx", "step"))
 
     def metrics(self, exp_id: str, idx: int) -> list[dict]:
         return list(self.db["metrics"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
@@ -348,7 +388,7 @@ class Ledger:
         return row[0] if row else 0
 
     def set_cursor(self, path: str, offset: int) -> None:
-        self.db["cursors"].upsert({"path": path, "offset": offset}, pk="path")
+        self._upsert_many("cursors", [{"path": path, "offset": offset}], ("path",))
 
     def record_checkpoint(self, exp_id: str, idx: int, step: int, path: str, created_at: float | None) -> None:
         """A checkpoint the trainer committed; the task shows its newest."""

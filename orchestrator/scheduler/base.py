@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from orchestrator.scheduler.site_limits import Room
-from orchestrator.submit.plan import Plan
 from orchestrator.states import AttemptState
+
+if TYPE_CHECKING:  # read commands never build a plan: the spec's models stay unimported
+    from orchestrator.scheduler.site_limits import Room
+    from orchestrator.submit.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class JobRef:
     run_dir: Path
     index: int
     submitted_at: float | None = None  # lets a poll skip older jobs that reused the id
+    started: bool = False  # it has run: pending again means requeued (its history is worth asking for)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class Capabilities:
     # when the ranks were stopped by a SIGTERM, the scheduler's record of the job says
     # why (cancelled, node failure, preemption, time limit): wait for it before deciding
     tells_why_stopped: bool
+    # asking costs the site something (RPCs to a shared controller): the watcher paces its polls
+    costly_poll: bool = False
 
 
 class Scheduler(Protocol):
@@ -73,8 +78,9 @@ class Scheduler(Protocol):
         """Submit the plan's tasks; returns task index -> job id. Tasks the queue has no room
         for yet are left out when a watcher will submit them (``watched``), else it refuses."""
 
-    def queue_room(self, run_dir: Path) -> Room:
-        """How many more jobs the scheduler takes now for this experiment (None: no limit)."""
+    def queue_room(self, run_dir: Path, wanted: int) -> Room:
+        """How many more jobs the scheduler takes now for this experiment, which has ``wanted``
+        waiting (None: no limit)."""
 
     def submit_tasks(self, run_dir: Path, indices: list[int], max_parallel: int | None, after: str | None, tag: str) -> dict[int, str]:
         """Tasks that waited for room in the queue, as one submission named with ``tag`` (after

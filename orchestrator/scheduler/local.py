@@ -20,12 +20,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator import contract
-from orchestrator.submit.plan import Plan
 from orchestrator.states import AttemptState, attempt_state_for_exit
 from orchestrator.scheduler.site_limits import Room
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
+
+if TYPE_CHECKING:  # a poll never builds a plan: the spec's models stay unimported
+    from orchestrator.submit.plan import Plan
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
 
@@ -153,7 +156,7 @@ class LocalScheduler:
             job = executor.submit(run_driver, str(run_dir), [index], None, tag, delay_s)
         return f"{job.job_id}_{index}"
 
-    def queue_room(self, run_dir: Path) -> Room:
+    def queue_room(self, run_dir: Path, wanted: int) -> Room:
         return Room(None)  # one machine: no queue limit; every task goes out at submit
 
     def submit_tasks(self, run_dir: Path, indices: list[int], max_parallel: int | None, after: str | None, tag: str) -> dict[int, str]:

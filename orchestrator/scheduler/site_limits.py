@@ -15,6 +15,8 @@ import re
 
 from orchestrator.errors import UserError
 
+QUEUE_WAITING = "queue.waiting"  # the submission's event that lets a watcher submit the tasks it left without a job
+
 
 @dataclasses.dataclass(frozen=True)
 class SiteLimits:
@@ -84,6 +86,7 @@ class Split:
     arrays: list[range]
     waiting: range
     words: str = ""
+    first: int = 1  # tasks in the first array (what `sbatch --test-only` checks), even when none fits now
 
 
 def split(n: int, limits: SiteLimits, now: Room, max_parallel: int | None, watched: bool) -> Split:
@@ -105,7 +108,7 @@ def split(n: int, limits: SiteLimits, now: Room, max_parallel: int | None, watch
     if fits < n:
         words.append(f"{fits} of {n} tasks go out now ({now.words}); the watcher submits the other {n - fits} as jobs end "
                      "(submit --watch, or a running `orchestrate watch`)")
-    return Split(arrays, range(fits, n), "; ".join(words))
+    return Split(arrays, range(fits, n), "; ".join(words), len(array_chunks(n, limits.max_array_size)[0]) if n else 1)
 
 
 def next_batch(waiting: list[int], now: Room, max_parallel: int | None, ours_queued: int) -> list[int]:

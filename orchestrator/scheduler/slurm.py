@@ -1,36 +1,27 @@
-"""The SLURM executor: every task of an experiment goes out as one job array.
+"""The SLURM executor: every task of an experiment goes out as one job array (several
+when the site's limits say so), through submitit.
 
-submitit writes the batch script, pickles the call and runs it on the nodes: each
-array task asks for ``resources.nodes`` nodes and runs one node agent per node
-(``srun`` with one task per node), and the agent starts the ranks. So the sbatch
-request is per node: ``cpus-per-task`` is the CPUs of all ranks on a node and
-``gpus-per-node`` their GPUs.
+The batch script is ``slurm_script``'s. Before submitting, ``sbatch --test-only`` runs
+it, so a request SLURM would refuse (a missing partition) or leave pending forever
+(more nodes than the partition has) is an error at submit time, before anything is
+queued.
 
-The batch script is a pure function of the plan (``render_batch_script``): it is
-what ``submit --dry-run`` prints and what goldens pin, and a test checks that it
-is the very file submitit hands to sbatch. Before submitting, ``sbatch
---test-only`` runs that script, so a request SLURM would refuse (a missing
-partition) or leave pending forever (more nodes than the partition has) is an
-error at submit time, before anything is queued.
-
-State comes from one ``sacct`` call (all runs, ``-D``) and one ``squeue`` call per
-refresh for every live job of every experiment; ``slurm_parse`` translates it.
+State comes from one ``squeue`` call per refresh for every live job of every
+experiment, and ``sacct`` (all runs, ``-D``) only for the jobs that left the queue or
+came back to it; ``slurm_parse`` translates it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import pwd
-import re
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator import contract
 from orchestrator.errors import SchedulerError, UserError
@@ -39,10 +30,9 @@ from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 from orchestrator.scheduler.site_limits import Room, SiteLimits, Split, parse_config_limits, parse_max_submit, room, split
 from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
 from orchestrator.states import AttemptState
-from orchestrator.spec import slurmtext
-from orchestrator.spec.units import parse_memory_mb
-from orchestrator.submit import fragments
-from orchestrator.submit.plan import Plan
+
+if TYPE_CHECKING:
+    from orchestrator.submit.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -50,228 +40,13 @@ QUERY_TIMEOUT_S = 30
 PYTHON_KEY = "_python"  # in sbatch-parameters.json: the shell words that start Python on the nodes
 CHECK_TIMEOUT_S = 60
 SQUEUE_FORMAT = "%i|%T|%r|%N|%S"
+JOB_COUNT_SHARE = 10  # everyone's jobs are counted for a sweep of at least a tenth of MaxJobCount
 LIMITS_TTL_S = 300.0  # a watcher reads the site's limits again after this long (an admin may change them)
-
-
-def submitit_folder(plan: Plan) -> Path:
-    return plan.run_dir / "submitit"
-
-
-def batch_parameters(plan: Plan) -> dict:
-    """The plan as submitit's sbatch parameters (the names of submitit's SlurmExecutor)."""
-    r = plan.resources
-    n = len(plan.tasks)
-    ck = plan.spec.checkpoint
-    # requeue after preemption or node failure, and a signal before the time limit to save on
-    extra: dict = {"requeue": True}
-    if ck.signal != "USR2":  # submitit always writes USR2@<delay>; another signal overrides it
-        extra["signal"] = f"{ck.signal}@{ck.signal_before_s}"
-    if r.mem:
-        extra["mem"] = f"{parse_memory_mb(r.mem)}M"
-    for key, value in r.sbatch_extra.items():
-        if value is not False:
-            extra[key.lstrip("-")] = value
-    params = {
-        "job_name": f"{plan.name}-{plan.experiment_id}",
-        "time": max(1, math.ceil(r.time_seconds / 60)),
-        "nodes": r.nodes,
-        "ntasks_per_node": 1,  # the node agent; it starts tasks_per_node ranks
-        "cpus_per_task": r.cpus_per_task * r.tasks_per_node,
-        "gpus_per_node": r.gpus_per_task * r.tasks_per_node or None,
-        "partition": r.partition,
-        "account": r.account,
-        "qos": r.qos,
-        "constraint": r.constraint,
-        "exclude": ",".join(r.exclude) or None,
-        "comment": f"orchestrate {plan.experiment_id}",
-        "wckey": "orchestrate",
-        "array_parallelism": min(plan.max_parallel or n, n),
-        "stderr_to_stdout": True,
-        "signal_delay_s": plan.spec.checkpoint.signal_before_s,
-        # one failed node agent ends the step: the others' ranks would only hang
-        "srun_args": ["--kill-on-bad-exit=1", *container_srun_args(plan), *r.srun_args],
-        "additional_parameters": extra,
-    }
-    params = {k: v for k, v in params.items() if v is not None}
-    check_parameters(params, submitit_folder(plan))  # before the fragments, so that a refusal names the spec field
-    params["setup"] = setup_lines(plan)
-    return check_parameters(params, submitit_folder(plan))
-
-
-def container_mounts(plan: Plan) -> list[str]:
-    """What a container must see at the same paths: the run folder, the folders of the
-    files the spec names (for every sweep task), then ``container.mounts``."""
-    paths = [str(plan.run_dir)]
-    for spec in [plan.spec, *(t.spec for t in plan.tasks if t.spec is not None)]:
-        model, data = spec.model, spec.data
-        for section, key in ((model, "path"), (data, "path"), (data, "eval_path"), (model, "script"), (model, "cwd")):
-            value = getattr(section, key, None)
-            if isinstance(value, str) and value.startswith("/"):
-                paths.append(value if key in ("cwd",) or os.path.isdir(value) else os.path.dirname(value))
-    for p in paths:
-        try:
-            slurmtext.mount_text(p)
-        except ValueError as exc:
-            raise UserError(f"resources.container: cannot mount {exc}; move it to a path without ',' "
-                            "or mount its folder yourself with container.mounts") from None
-    return list(dict.fromkeys([*paths, *plan.resources.container.mounts]))
-
-
-def container_srun_args(plan: Plan) -> list[str]:
-    """pyxis: srun runs the step in the image."""
-    c = plan.resources.container
-    if c is None or c.runtime != "pyxis":
-        return []
-    return [f"--container-image={c.image}", f"--container-mounts={','.join(container_mounts(plan))}"]
-
-
-def python_command(plan: Plan, python: str = sys.executable) -> str:
-    """The shell words that start Python on the nodes (submitit's ``python``): this
-    interpreter, or the image's through Apptainer/Singularity; every word shell-quoted."""
-    c = plan.resources.container
-    if c is None:
-        return shlex.quote(python)
-    if c.runtime == "pyxis":
-        return shlex.quote(c.python)
-    gpu = ["--nv"] if plan.resources.gpus_per_task else []
-    return shlex.join([c.runtime, "exec", *gpu, "--bind", ",".join(container_mounts(plan)), c.image, c.python])
-
-
-def setup_lines(plan: Plan) -> list[str]:
-    """The batch script's setup: common.sh, the named fragments, then resources.setup."""
-    values = {"name": plan.name, "experiment_id": plan.experiment_id, "run_dir": str(plan.run_dir)}  # render quotes them
-    lines = fragments.render(fragments.COMMON, values)
-    for name in plan.resources.setup_templates:
-        lines += fragments.render(name, values)
-    if plan.resources.setup:
-        lines += ["# --- resources.setup", *plan.resources.setup]
-    return lines
-
-
-# where each sbatch parameter comes from, for the error that refuses it
-_SOURCE = {
-    "job_name": "name",
-    "partition": "resources.partition",
-    "account": "resources.account",
-    "qos": "resources.qos",
-    "constraint": "resources.constraint",
-    "exclude": "resources.exclude",
-    "additional_parameters": "resources.sbatch_extra",
-    "srun_args": "resources.srun_args",
-    "setup": "resources.setup",
-}
-
-
-def check_parameters(params: dict, folder: Path) -> dict:
-    """The last check before submitit writes the script: no value may end its
-    ``#SBATCH`` line or read differently to sbatch and bash (submitit quotes values
-    with shlex.quote and writes option names as they are). The spec refuses all of
-    this already; here it catches values that never went through a spec (an edited
-    sbatch-parameters.json, a run folder under an odd current directory)."""
-    try:
-        slurmtext.path_text(str(folder))  # in the log paths of --output/--error
-    except ValueError as exc:
-        raise UserError(f"refusing to write the batch script: the run folder (workdir): {exc}") from None
-    for key, value in params.items():
-        try:
-            _check_parameter(key, value)
-        except ValueError as exc:
-            where = _SOURCE.get(key, f"sbatch parameter {slurmtext.shown(key)}")
-            raise UserError(f"refusing to write the batch script: {where}: {exc}") from None
-    return params
-
-
-def _check_parameter(key: str, value) -> None:
-    if key == "additional_parameters":
-        for option, v in value.items():
-            slurmtext.directive_text(option)
-            if not slurmtext.OPTION_NAME.fullmatch(option.replace("_", "-")):  # submitit turns _ into -
-                raise ValueError(f"{slurmtext.shown(option)} is not an sbatch option name")
-            if isinstance(v, str):
-                slurmtext.directive_text(v)
-    elif key == "srun_args":  # argv of srun, shell-quoted by submitit
-        for arg in value:
-            slurmtext.argv_element(arg)
-    elif key == "setup":  # shell lines, the user's own by design
-        for line in value:
-            slurmtext.no_nul(line)
-    elif isinstance(value, str):
-        slurmtext.directive_text(value)
-
-
-def submit_command(python: str, folder: Path) -> str:
-    """The command submitit puts in the batch script (as its SlurmExecutor does);
-    ``python``: shell words, quoted already (``python_command``)."""
-    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
-
-
-def render_batch_script(plan: Plan, python: str = sys.executable, tasks: int | None = None) -> str:
-    """The exact batch script of the plan's job array (a single job for one task,
-    as submitit submits it); ``tasks``: of an array of that many (a sweep split to fit MaxArraySize)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    n = len(plan.tasks) if tasks is None else tasks
-    params = batch_parameters(plan)
-    params["array_parallelism"] = min(params["array_parallelism"], n)
-    return _make_sbatch_string(
-        command=submit_command(python_command(plan, python), submitit_folder(plan)),
-        folder=submitit_folder(plan),
-        map_count=n if n > 1 else None,
-        **params,
-    )
-
-
-# ---------------------------------------------------------------- refusals, in the spec's words
-
-_HINTS = (
-    ("Invalid partition", "resources.partition: SLURM has no partition '{partition}'; `sinfo -s` lists the partitions"),
-    (
-        "Requested node configuration is not available",
-        "no nodes of partition '{partition}' can give each task {nodes} node(s) with {cpus} CPU(s){mem}{gpus} per node; "
-        "check resources.nodes, tasks_per_node, cpus_per_task, gpus_per_task, mem, constraint and exclude "
-        "against `sinfo -o '%P %D %c %m %G %f'`",
-    ),
-    ("Node count specification invalid", "resources.nodes: the partition cannot give {nodes} node(s)"),
-    ("Invalid account", "resources.account: SLURM does not know account '{account}' (or you may not use it); `sacctmgr show assoc user=$USER`"),
-    ("Invalid qos", "resources.qos: SLURM does not know QOS '{qos}' (or you may not use it)"),
-    ("Invalid feature specification", "resources.constraint: no node has the feature(s) '{constraint}'"),
-    ("Invalid generic resource", "resources.gpus_per_task: this partition has no GPUs (gres) to give"),
-    ("time limit", "resources.time: {time} is over the partition's limit"),
-)
-
-
-# words of SLURM's clients that mean "no controller here", not "your request is wrong"
-_UNREACHABLE = ("configuration source", "Unable to process configuration", "Unable to contact slurm controller")
-
-
-def explain_refusal(stderr: str, plan: Plan) -> str:
-    """SLURM's words for a refused request, and which spec field to change."""
-    r = plan.resources
-    words = [l.removeprefix("sbatch: error: ").removeprefix("sbatch: fatal: ").strip() for l in stderr.splitlines() if l.strip()]
-    said = "; ".join(dict.fromkeys(words)) or "no reason given"
-    if any(w in stderr for w in _UNREACHABLE):
-        return (
-            f"cannot reach SLURM from here: {said}\n"
-            "  check SLURM_CONF and `scontrol ping`, or run on this machine with --executor local"
-        )
-    facts = {
-        "partition": r.partition or "(the default)",
-        "nodes": r.nodes,
-        "cpus": r.cpus_per_task * r.tasks_per_node,
-        "mem": f", {r.mem} memory" if r.mem else "",
-        "gpus": f", {r.gpus_per_task * r.tasks_per_node} GPU(s)" if r.gpus_per_task else "",
-        "account": r.account,
-        "qos": r.qos,
-        "constraint": r.constraint,
-        "time": r.time,
-    }
-    hints = [h.format(**facts) for key, h in _HINTS if key.lower() in stderr.lower()]
-    return f"SLURM refuses the job array: {said}" + "".join(f"\n  {h}" for h in hints)
 
 
 class SlurmScheduler:
     name = "slurm"
-    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True)
+    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True, costly_poll=True)
 
     def __init__(self, runner: commands.Runner | None = None):
         self.runner = runner or commands.Runner()
@@ -279,25 +54,29 @@ class SlurmScheduler:
         self._limits: dict[tuple[str, str], tuple[float, SiteLimits]] = {}
 
     def preview(self, plan: Plan) -> dict[str, str]:
+        from orchestrator.scheduler import slurm_script as script  # the spec's models: imported to submit, not to poll
+
         if not shutil.which("sbatch"):
-            return {"sbatch_script": render_batch_script(plan), "slurm_check": "not checked: sbatch is not on PATH here"}
+            return {"sbatch_script": script.render_batch_script(plan), "slurm_check": "not checked: sbatch is not on PATH here"}
         parts = self.split(plan, watched=True)
-        first = len(parts.arrays[0]) if parts.arrays else len(plan.tasks)
+        first = len(parts.arrays[0]) if parts.arrays else parts.first
         check = self.check(plan, first) + (f"; {parts.words}; the script of the first array" if parts.words else "")
-        return {"sbatch_script": render_batch_script(plan, tasks=first), "slurm_check": check}
+        return {"sbatch_script": script.render_batch_script(plan, tasks=first), "slurm_check": check}
 
     def check(self, plan: Plan, tasks: int | None = None) -> str:
         """``sbatch --test-only`` on the plan's script (of its first array, ``tasks`` long, when
         the sweep is split); returns SLURM's estimate or raises SchedulerError with the fix."""
+        from orchestrator.scheduler import slurm_script as script  # the spec's models: imported to submit, not to poll
+
         with tempfile.NamedTemporaryFile("w", suffix=".sbatch", prefix="orchestrate-") as fh:
-            fh.write(render_batch_script(plan, tasks=tasks))
+            fh.write(script.render_batch_script(plan, tasks=tasks))
             fh.flush()
             try:
                 out = self.runner.run(["sbatch", "--test-only", fh.name], timeout=CHECK_TIMEOUT_S)
             except commands.CommandError as exc:
                 if exc.returncode is None:
                     raise SchedulerError(f"cannot reach SLURM: {exc}") from None
-                raise SchedulerError(explain_refusal(exc.stderr + exc.stdout, plan)) from None
+                raise SchedulerError(script.explain_refusal(exc.stderr + exc.stdout, plan)) from None
         return " ".join((out.stderr + out.stdout).split()).removeprefix("sbatch: ")
 
     def site_limits(self, qos: str | None, account: str | None = None) -> SiteLimits:
@@ -328,42 +107,47 @@ class SlurmScheduler:
         self._limits[key] = (time.monotonic(), limits)
         return limits
 
-    def room_for(self, limits: SiteLimits) -> Room:
-        """Jobs SLURM takes now under ``limits``: one squeue of the user's jobs (and one of
-        everyone's where MaxJobCount is known); no call at all when the site sets no limit."""
-        if limits.max_submit is None and limits.max_job_count is None:
+    def room_for(self, limits: SiteLimits, wanted: int | None = None) -> Room:
+        """Jobs SLURM takes now under ``limits``: one squeue of the user's jobs, and one of
+        everyone's only where ``wanted`` jobs are a fair part of MaxJobCount (every cluster has
+        one, 10,000 by default: a small sweep fits unless the controller is full, and then
+        sbatch says so); no call at all when the site sets no limit."""
+        count_all = limits.max_job_count is not None and (wanted is None or wanted * JOB_COUNT_SHARE >= limits.max_job_count)
+        if limits.max_submit is None and not count_all:
             return room(limits, 0, None)
         mine = len(self.runner.query(["squeue", "-h", "-r", "--me", "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split())
         everyone = None
-        if limits.max_job_count is not None:
+        if count_all:
             everyone = len(self.runner.query(["squeue", "-h", "-r", "-o", "%i"], timeout=QUERY_TIMEOUT_S).stdout.split())
         return room(limits, mine, everyone)
 
-    def queue_room(self, run_dir: Path) -> Room:
+    def queue_room(self, run_dir: Path, wanted: int) -> Room:
         params = contract.read_json(params_path(run_dir)) or {}
         qos, account = (p if isinstance(p, str) else None for p in (params.get("qos"), params.get("account")))
-        return self.room_for(self.site_limits(qos, account))
+        return self.room_for(self.site_limits(qos, account), wanted)
 
     def split(self, plan: Plan, watched: bool) -> Split:
         """The plan's tasks as the arrays the site takes now, and those that wait for room in
         the queue; refuses a sweep that does not fit when no watcher would submit the rest."""
         limits = self.site_limits(plan.resources.qos, plan.resources.account)
-        return split(len(plan.tasks), limits, self.room_for(limits), plan.max_parallel, watched)
+        return split(len(plan.tasks), limits, self.room_for(limits, len(plan.tasks)), plan.max_parallel, watched)
 
     def submit(self, plan: Plan, watched: bool = False) -> dict[int, str]:
         import submitit
+
+        from orchestrator.scheduler import slurm_script as script  # the spec's models: imported to submit, not to poll
         from submitit.core.utils import FailedJobError
 
         from train_entry.agent import submitit_entry
 
         parts = self.split(plan, watched)
-        self.check(plan, len(parts.arrays[0]) if parts.arrays else None)  # also fails fast when the controller does not answer
-        python = python_command(plan)
+        self.check(plan, len(parts.arrays[0]) if parts.arrays else parts.first)  # also fails fast, with a timeout, when the controller does not answer
+        python = script.python_command(plan)
         try:
-            executor = submitit.SlurmExecutor(folder=submitit_folder(plan), python=python)
+            executor = submitit.SlurmExecutor(folder=script.submitit_folder(plan), python=python)
         except RuntimeError:
             raise UserError("SLURM's `srun` is not on PATH on this machine; use --executor local, or load SLURM first") from None
-        params = batch_parameters(plan)
+        params = script.batch_parameters(plan)
         # what a resubmission of one task, and the watcher's submission of waiting ones, reuse
         contract.atomic_write_json(params_path(plan.run_dir), {**params, PYTHON_KEY: python})
         tasks = sorted(plan.tasks, key=lambda t: t.index)
@@ -389,7 +173,7 @@ class SlurmScheduler:
                 except commands.CommandError as cancel_exc:
                     log.warning("could not cancel the arrays already queued (%s): %s", ", ".join(arrays), cancel_exc)
             if isinstance(exc, FailedJobError):
-                raise SchedulerError(explain_refusal(str(exc), plan)) from None
+                raise SchedulerError(script.explain_refusal(str(exc), plan)) from None
             raise
         return out
 
@@ -415,15 +199,23 @@ class SlurmScheduler:
         return {i: job.job_id for i, job in zip(indices, jobs)}
 
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
+        """squeue first (the controller's live view, one RPC for every job); then accounting
+        (slurmdbd, the costly call) only for the jobs that left the queue, or that are pending
+        again after they ran (their earlier runs tell why they were requeued)."""
         if not refs:
             return {}
         keys = [r.job_id for r in refs]
-        jobs = sorted({parse_job_id(k).job for k in keys}, key=int)
-        records = None
-        if self.accounting is not False:
+        shown = self.runner.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
+        queue = parse_squeue(shown.stdout)
+        queued = queued_states(queue)
+        ask = [r for r in refs if r.job_id not in queued or queued[r.job_id].ended  # how it ended: exit code, cause
+               or (r.started and queued[r.job_id] == AttemptState.PENDING)]
+        records = []
+        if ask and self.accounting is not False:
             try:
+                jobs = sorted({parse_job_id(r.job_id).job for r in ask}, key=int)
                 sacct = self.runner.query(
-                    ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), *since_args(refs), "-j", ",".join(jobs)],
+                    ["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), *since_args(ask), "-j", ",".join(jobs)],
                     timeout=QUERY_TIMEOUT_S,
                 )
                 records, self.accounting = parse_sacct(sacct.stdout), True
@@ -431,11 +223,9 @@ class SlurmScheduler:
                 if NO_ACCOUNTING not in exc.stderr + exc.stdout:
                     raise
                 self.accounting = False  # this cluster has none: it will not come back while we run
-        if records is None:  # what the controller still holds of ended jobs (MinJobAge), and the agents' records
-            shown = self.runner.query(["scontrol", "show", "job", "-o"], timeout=QUERY_TIMEOUT_S)
-            records = parse_scontrol_jobs(shown.stdout)
-        squeue = self.runner.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
-        out = observe(records, parse_squeue(squeue.stdout), keys, user_of=_user_name, complete=self.accounting is not False)
+        if ask and self.accounting is False:  # what the controller still holds of ended jobs (MinJobAge), and the agents' records
+            records = parse_scontrol_jobs(self.runner.query(["scontrol", "show", "job", "-o"], timeout=QUERY_TIMEOUT_S).stdout)
+        out = observe(records, queue, keys, user_of=_user_name, complete=self.accounting is not False)
         if self.accounting is False:
             out = {k: dataclasses.replace(o, history=False) for k, o in out.items()}
             out.update(lost(refs, out, time.time()))
@@ -516,28 +306,27 @@ def _saved_executor(run_dir: Path, tag: str, adjust):
     ``tag``), changed by ``adjust``; checked again, since the file may have been edited since."""
     import submitit
 
+    from orchestrator.scheduler import slurm_script as script
+
     params = contract.read_json(params_path(run_dir))
     if params is None:
         raise SchedulerError(f"cannot submit: {params_path(run_dir)} is missing")
-    python = _python_words(params.pop(PYTHON_KEY, None))
+    python = script._python_words(params.pop(PYTHON_KEY, None))
     params["job_name"] = f"{params['job_name']}-{tag}"
     adjust(params)
-    check_parameters(params, Path(run_dir) / "submitit")
+    script.check_parameters(params, Path(run_dir) / "submitit")
     executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit", python=python)
     executor.update_parameters(**params)
     return executor
 
 
-def _python_words(text) -> str:
-    """The saved Python command, as plain words again (never shell syntax); this
-    interpreter when the file has none (written before containers) or a damaged one."""
-    try:
-        words = shlex.split(text) if isinstance(text, str) else []
-        for w in words:
-            slurmtext.argv_element(w)
-    except ValueError:
-        words = []
-    return shlex.join(words) if words else shlex.quote(sys.executable)
+def queued_states(queue: list) -> dict[str, AttemptState]:
+    """Every array task and job squeue lists (a pending range expanded), and its state."""
+    out: dict[str, AttemptState] = {}
+    for q in queue:
+        for t in q.id.pending or ((q.id.task,) if q.id.task is not None else (None,)):
+            out[f"{q.id.job}_{t}" if t is not None else q.id.job] = q.state
+    return out
 
 
 NO_ACCOUNTING = "accounting storage is disabled"  # sacct's words on a cluster without slurmdbd

@@ -14,6 +14,7 @@ from orchestrator.contract import perms
 from orchestrator.errors import SpecError, SpecIssue, UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
+from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.spec import defaults, yamlsrc
 from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
@@ -158,14 +159,18 @@ def _submit(ledger: Ledger, plan: Plan, scheduler: Scheduler, watched: bool) -> 
         ledger.delete_experiment(plan.experiment_id)
         shutil.rmtree(plan.run_dir, ignore_errors=True)
         raise
-    for idx, job_id in job_ids.items():
-        ledger.add_attempt(plan.experiment_id, idx, job_id, f"submitted to the {scheduler.name} executor as job {job_id}")
     waiting = sorted(t.index for t in plan.tasks if t.index not in job_ids)
-    if waiting:
-        ledger.event(plan.experiment_id, "queue.waiting",
-                     f"{len(waiting)} task(s) wait for room in SLURM's queue ({format_indices(waiting)}): "
-                     "the watcher submits them as jobs end")
+    # one transaction: a watcher takes tasks without a job for waiting ones only once this
+    # event says so, never while the submission is still recording them
+    with ledger.tx():
+        for idx, job_id in job_ids.items():
+            ledger.add_attempt(plan.experiment_id, idx, job_id, f"submitted to the {scheduler.name} executor as job {job_id}")
+        if waiting:
+            ledger.event(plan.experiment_id, QUEUE_WAITING,
+                         f"{len(waiting)} task(s) wait for room in SLURM's queue ({format_indices(waiting)}): "
+                         "the watcher submits them as jobs end")
     return job_ids
+
 
 
 def format_indices(indices: list[int]) -> str:

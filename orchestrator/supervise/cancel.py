@@ -12,27 +12,30 @@ from orchestrator.states import AttemptState, TaskState
 
 
 def cancel(ledger: Ledger, exp: dict, index: int | None = None) -> list[int]:
-    """Ask the scheduler to stop live tasks; the next refresh records how they ended."""
-    refs, cancelled = [], []
-    for item in live_attempts(ledger, [exp]):
-        if index is not None and item.task["idx"] != index:
-            continue
-        if AttemptState(item.attempt["state"]).ended:
-            continue
-        refs.append(JobRef(item.attempt["job_id"], Path(exp["run_dir"]), item.task["idx"]))
-        cancelled.append(item.task["idx"])
-    tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
-    if index is not None and index not in tasks:
-        raise UserError(f"experiment {exp['id']} has no task {index} (it has {len(tasks)})")
-    # tasks still waiting for room in the queue have no job: they end here (a watcher
-    # submitting one right now cancels its job when it records it)
-    with_attempts = {a["idx"] for a in ledger.attempts(exp["id"])}
-    for idx, task in tasks.items():
-        if (index is None or idx == index) and idx not in with_attempts and not TaskState(task["state"]).terminal:
-            ledger.set_task_state(exp["id"], idx, TaskState.CANCELLED, "orchestrate cancel: it was still waiting for room in the queue")
-            cancelled.append(idx)
+    """Ask the scheduler to stop live tasks; the next refresh records how they ended.
+    Tasks still waiting for room in the queue have no job: they end here."""
+    refs, cancelled, waiting = [], [], []
+    # one look under the write lock: a watcher recording a waiting task's new job either
+    # did so before (its job is cancelled here) or does so after (it sees the task
+    # cancelled and cancels the job itself)
+    with ledger.tx():
+        tasks = {t["idx"]: t for t in ledger.tasks(exp["id"])}
+        if index is not None and index not in tasks:
+            raise UserError(f"experiment {exp['id']} has no task {index} (it has {len(tasks)})")
+        for item in live_attempts(ledger, [exp]):
+            if index is not None and item.task["idx"] != index:
+                continue
+            if AttemptState(item.attempt["state"]).ended:
+                continue
+            refs.append(JobRef(item.attempt["job_id"], Path(exp["run_dir"]), item.task["idx"]))
+            cancelled.append(item.task["idx"])
+        with_attempts = {a["idx"] for a in ledger.attempts(exp["id"])}
+        for idx, task in tasks.items():
+            if (index is None or idx == index) and idx not in with_attempts and not TaskState(task["state"]).terminal:
+                ledger.set_task_state(exp["id"], idx, TaskState.CANCELLED, "orchestrate cancel: it was still waiting for room in the queue")
+                waiting.append(idx)
     if refs:
         get_scheduler(exp["executor"]).cancel(refs)
         for idx in cancelled:
             ledger.event(exp["id"], "task.cancel_requested", "orchestrate cancel", idx=idx)
-    return cancelled
+    return sorted(cancelled + waiting)

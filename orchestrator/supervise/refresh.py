@@ -22,7 +22,7 @@ from orchestrator.scheduler import JobRef, Observation, Scheduler, get_scheduler
 from orchestrator.contract.safe_read import cut
 from orchestrator.supervise import badrecords, ingest, reconcile
 from orchestrator.supervise.launches import read_launches
-from orchestrator.states import TaskState
+from orchestrator.states import AttemptState, TaskState
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def live_attempts(ledger: Ledger, experiments: list[dict]) -> list[LiveTask]:
 
 
 def poll(
-    live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[str] | None, strict: bool = False
+    live: list[LiveTask], schedulers: dict[str, Scheduler], errors: list[str] | None, strict: bool = False,
+    skip_costly: bool = False,
 ) -> tuple[dict[str, Observation], bool]:
     """One batched poll per executor: what the schedulers said, and whether every one
     answered (when one did not, nothing may be inferred from its jobs' absence)."""
@@ -62,8 +63,11 @@ def poll(
         if executor not in schedulers:
             schedulers[executor] = get_scheduler(executor)
         sched = schedulers[executor]
+        if skip_costly and sched.capabilities.costly_poll:
+            continue
         refs = [
-            JobRef(i.attempt["job_id"], Path(i.exp["run_dir"]), i.task["idx"], i.attempt.get("submitted_at"))
+            JobRef(i.attempt["job_id"], Path(i.exp["run_dir"]), i.task["idx"], i.attempt.get("submitted_at"),
+                   started=bool(i.attempt.get("launch")))
             for i in items
             if i.attempt["job_id"]
         ]
@@ -99,20 +103,129 @@ def apply_changes(ledger: Ledger, exp_id: str, idx: int, task_dir: str, changes:
 
 
 def refresh(
-    ledger: Ledger, experiments: list[dict], schedulers: dict[str, Scheduler] | None = None, errors: list[str] | None = None
+    ledger: Ledger,
+    experiments: list[dict],
+    schedulers: dict[str, Scheduler] | None = None,
+    errors: list[str] | None = None,
+    pacer: "PollPacer | None" = None,
 ) -> dict[str, Observation] | None:
-    """Ingest files, poll once per executor, record what changed; returns the scheduler's
-    observations (None when a scheduler could not be asked)."""
+    """Poll once per executor, then ingest the files (read after the poll, so never older
+    than what the scheduler said) and record what changed, each task in a savepoint of its
+    own (one task's failure undoes only its part); returns the scheduler's observations
+    (None when a scheduler could not be asked).
+
+    With a ``pacer`` (the watcher's) a scheduler whose polls cost the site is asked only
+    when the last cycle's files called for it or the pacer's interval is up; otherwise its
+    last observations stand, less those the files have overtaken."""
     live = live_attempts(ledger, experiments)
     schedulers = {} if schedulers is None else schedulers
-    observations, answered = poll(live, schedulers, errors, ledger.strict)
     now = time.time()
+    paced = pacer is not None and not pacer.due(False, now)
+    observations, answered = poll(live, schedulers, errors, ledger.strict, skip_costly=paced)
+    if pacer is not None and answered and not paced:
+        pacer.seen(observations, now)
+    launches: dict[tuple[str, int], list] = {}
+    for chunk in range(0, len(live), INGEST_CHUNK):  # the write lock is never held for long
+        with ledger.tx():
+            launches.update(ingest_all(ledger, live[chunk:chunk + INGEST_CHUNK]))
+    if paced and answered:
+        observations = {**_still_true(pacer.last, live, launches), **observations}
+    for chunk in range(0, len(live), INGEST_CHUNK):
+        with ledger.tx():
+            for item in live[chunk:chunk + INGEST_CHUNK]:
+                key = (item.exp["id"], item.task["idx"])
+                if key not in launches:
+                    continue  # its ingest failed (reported)
+                try:
+                    with ledger.savepoint():
+                        reconcile_task(ledger, item, launches[key], observations, schedulers[item.exp["executor"]].capabilities, now)
+                except Exception as exc:
+                    task_failed(ledger, item, exc)
+    if pacer is not None and any(needs_scheduler(i, launches.get((i.exp["id"], i.task["idx"])), pacer.last.get(i.attempt["job_id"]))
+                                 for i in live):
+        pacer.hurry()  # the files call for SLURM's word: the next cycle asks
+    return observations if answered else None
+
+
+INGEST_CHUNK = 256  # tasks per transaction: one for a cycle of most sweeps, a bounded lock for a thousand
+
+
+def _still_true(last: dict[str, Observation], live: list[LiveTask], launches: dict[tuple[str, int], list]) -> dict[str, Observation]:
+    """A paced cycle's cached observations, less those the files have overtaken: a job the
+    poll saw pending that has a launch on disk since has started (a requeue would have ended
+    a launch, and that is polled for at once), so its stale "pending" must not read as
+    "pending again after it ran"."""
+    started = {i.attempt["job_id"] for i in live
+               if any(l.job_id == i.attempt["job_id"] for l in launches.get((i.exp["id"], i.task["idx"])) or [])}
+    return {k: o for k, o in last.items() if not (o.state == AttemptState.PENDING and k in started)}
+
+
+def needs_scheduler(item: LiveTask, launches: list | None, last: Observation | None = None) -> bool:
+    """Whether this task's next step needs the scheduler's word soon, not at the paced
+    poll: a launch that ended or ran again (why did it stop? was the job requeued?), or a
+    recovery in flight, unless its job only waits in the queue for resources (SLURM's
+    business: its agents write when it starts). A running launch, or a job waiting to
+    start, can wait: the files tell when it starts, ends or fails."""
+    if item.task["state"] == TaskState.RECOVERING.value:
+        quiet = last is not None and last.state == AttemptState.PENDING and last.reason not in ACT_ON_REASONS
+        if not quiet:
+            return True
+    mine = [l for l in launches or [] if l.job_id == item.attempt["job_id"]]
+    if not mine:
+        return False
+    if item.attempt.get("launch") != mine[-1].key:
+        return item.attempt.get("launch") is not None  # ran again after a requeue; a first start needs nobody
+    return mine[-1].ended
+
+
+# pending reasons the watcher acts on (releases a hold, lifts an exclusion): polled every cycle
+ACT_ON_REASONS = ("BeginTime", "BadConstraints")
+
+
+class PollPacer:
+    """When the watcher asks the scheduler: at once when the files call for it, otherwise
+    after an interval that doubles from the watcher's cycle up to ``max_s`` while nothing
+    the scheduler says changes, and falls back to the cycle when something does."""
+
+    def __init__(self, base_s: float, max_s: float = 60.0):
+        self.base_s, self.max_s = base_s, max(base_s, max_s)
+        self.interval_s = base_s
+        self.last: dict[str, Observation] = {}
+        self.asked_at: float | None = None
+
+    def due(self, urgent: bool, now: float) -> bool:
+        return urgent or self.asked_at is None or now - self.asked_at >= self.interval_s - 0.01
+
+    def hurry(self) -> None:
+        """Ask at the next cycle, whatever the interval."""
+        self.asked_at = None
+
+    def seen(self, observations: dict[str, Observation], now: float) -> None:
+        def view(obs: dict[str, Observation]) -> dict:
+            return {k: (o.state, o.reason) for k, o in obs.items()}
+
+        changed = view(observations) != view(self.last)
+        self.interval_s = self.base_s if changed else min(self.max_s, self.interval_s * 2)
+        self.last, self.asked_at = dict(observations), now
+
+
+def ingest_all(ledger: Ledger, live: list[LiveTask]) -> dict[tuple[str, int], list]:
+    """Every live task's files into the ledger (the caller's transaction); each task's launch
+    records, for reconciling. A task whose files could not be ingested is left out (reported)."""
+    out: dict[tuple[str, int], list] = {}
     for item in live:
+        exp_id, idx, tdir = item.exp["id"], item.task["idx"], item.task["task_dir"]
         try:
-            refresh_task(ledger, item, observations, schedulers[item.exp["executor"]].capabilities, now)
+            with ledger.savepoint():
+                problems: badrecords.Problems = []
+                ingest.ingest_progress(ledger, exp_id, idx, tdir, problems)
+                launches = read_launches(tdir, problems)
+                badrecords.report(ledger, exp_id, idx, tdir, problems)
         except Exception as exc:
             task_failed(ledger, item, exc)
-    return observations if answered else None
+            continue
+        out[exp_id, idx] = launches
+    return out
 
 
 def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
@@ -136,13 +249,9 @@ def _watched_elsewhere(ledger: Ledger, exp_id: str, here: str) -> bool:
     return lease is not None and str(lease["owner"]).split(":", 1)[0] != here
 
 
-def refresh_task(ledger: Ledger, item: LiveTask, observations: dict[str, Observation], caps, now: float) -> None:
-    """Ingest one task's files and apply what they and the scheduler say."""
+def reconcile_task(ledger: Ledger, item: LiveTask, launches: list, observations: dict[str, Observation], caps, now: float) -> None:
+    """Apply what one task's launch records and the scheduler say."""
     exp_id, idx, tdir = item.exp["id"], item.task["idx"], item.task["task_dir"]
-    problems: badrecords.Problems = []
-    ingest.ingest_progress(ledger, exp_id, idx, tdir, problems)
-    launches = read_launches(tdir, problems)
-    badrecords.report(ledger, exp_id, idx, tdir, problems)
     # planned and applied on the rows as they are now, under the write lock: a watcher
     # and a `status` refreshing at once never act on each other's stale rows
     with ledger.tx():

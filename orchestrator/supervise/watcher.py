@@ -29,6 +29,7 @@ from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import JobRef, get_scheduler, site_limits
+from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.contract import records
 from orchestrator.supervise import badrecords, recovery, refresh
 from orchestrator.supervise.launches import read_generation_ends, read_launch, read_launches
@@ -42,6 +43,9 @@ def _fault_point(name: str) -> None:
     """Tests: die at a named point, as a killed watcher would."""
     if os.environ.get(envvars.FAULT_INJECT) == name:
         os._exit(70)
+
+
+POLL_MAX_S = 60.0  # the longest the watcher goes without asking SLURM while every job runs or waits quietly
 
 
 def lease_name(exp_id: str) -> str:
@@ -107,6 +111,7 @@ class Watcher:
         self._refused: set[str] = set()
         self._unreachable: set[str] = set()  # experiments told that the scheduler does not answer
         self._hold_refused: set[tuple] = set()  # requeued jobs whose hold SLURM would not let us release
+        self.pacer = refresh.PollPacer(interval_s, POLL_MAX_S)  # light on the controller while nothing happens
 
     def scheduler(self, name: str):
         if name not in self.schedulers:
@@ -119,7 +124,9 @@ class Watcher:
         exps = [e for e in (self.ledger.experiment(i) for i in exp_ids) if e]
         errors: list[str] = []
         mine = refresh.not_watched_elsewhere(self.ledger, exps)  # a shared ledger: one writing host per experiment
-        observations = refresh.refresh(self.ledger, mine, self.schedulers, errors)
+        asked_before = self.pacer.asked_at
+        observations = refresh.refresh(self.ledger, mine, self.schedulers, errors, self.pacer)
+        polled = self.pacer.asked_at != asked_before  # SLURM was asked this cycle: the queue's room is worth a look
         for exp in exps:
             exp = self.ledger.experiment(exp["id"])
             if TaskState(exp["state"]).terminal:
@@ -163,6 +170,8 @@ class Watcher:
                     log.warning("%s task %s: the scheduler did not answer (%s); will retry", exp["id"], task["idx"], exc)
                 except Exception as exc:  # one task's trouble never stops the others' recovery
                     self._task_failed(exp, task, exc)
+            # tasks without a job wait for room only once the submission said so (it may still be recording them)
+            waiting = waiting if waiting and polled and self.ledger.has_event_of_kind(exp["id"], QUEUE_WAITING) else []
             if (waiting or self._submissions_planned(exp)) and observations is not None \
                     and self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
                 try:
@@ -237,6 +246,7 @@ class Watcher:
             node=hang.node,
             by=f"watcher {self.owner}",
         )
+        self.pacer.hurry()  # silent ranks: what SLURM says of their job matters now (a node failure?)
         if contract.create_exclusive_json(contract.generation_end_path(ldir, hang.generation), record):
             what = "the agents dump every rank's stacks, then restart in place" if record["action"] == GenerationAction.RESTART else "the agents dump every rank's stacks, then stop the launch"
             self.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
@@ -311,7 +321,7 @@ class Watcher:
         latest = {a["idx"]: a for a in attempts}  # ordered by idx, number: the last wins
         ours = sum(1 for a in latest.values() if not AttemptState(a["state"]).ended)
         max_parallel = experiment_max_parallel(exp)
-        now = sched.queue_room(run_dir)
+        now = sched.queue_room(run_dir, len(waiting))
         batch = site_limits.next_batch(waiting, now, max_parallel, ours)
         if not batch:
             return
@@ -344,17 +354,25 @@ class Watcher:
                                             "the submission never went out; the task waits again", topic="queue")
 
     def _record_submission(self, exp: dict, jobs: dict[int, str], cause: str) -> None:
-        """The waiting tasks' jobs, as attempts; a task cancelled meanwhile has its job cancelled too."""
-        cancelled = []
+        """The waiting tasks' jobs, as attempts. A task cancelled meanwhile has its job
+        cancelled too: before recording (a watcher killed then cancels it again from the
+        plan), and after, for a cancel that came in between."""
+        sched, run_dir = self.scheduler(exp["executor"]), Path(exp["run_dir"])
+
+        def cancelled_tasks() -> list[JobRef]:
+            return [JobRef(job, run_dir, idx) for idx, job in jobs.items() if TaskState(self.ledger.task(exp["id"], idx)["state"]).terminal]
+
+        first = cancelled_tasks()
+        if first:
+            sched.cancel(first)
         with self.ledger.tx():
             for idx, job in jobs.items():
                 if not self.ledger.attempts(exp["id"], idx):
                     self.ledger.add_attempt(exp["id"], idx, job, cause.format(job=job))
                 self.ledger.finish_action(exp["id"], idx, 0, {"job_id": job}, cause.format(job=job), topic="queue")
-                if TaskState(self.ledger.task(exp["id"], idx)["state"]).terminal:
-                    cancelled.append(JobRef(job, Path(exp["run_dir"]), idx))
-        if cancelled:
-            self.scheduler(exp["executor"]).cancel(cancelled)
+        later = [r for r in cancelled_tasks() if r not in first]
+        if later:
+            sched.cancel(later)
 
     # ------------------------------------------------------------ requeued jobs
 
@@ -395,10 +413,14 @@ class Watcher:
         if cause is None:
             return
         sched = self.scheduler(exp["executor"])
-        # first: a watcher killed after it finds the job ended and comes here again
+        # first: a watcher killed after it finds the job ended and comes here again. Processes
+        # SLURM could not stop die on SIGKILL the moment they leave the kernel, so they write
+        # nothing more; their nodes are left out of the new job all the same
         sched.cancel([JobRef(attempt["job_id"], Path(exp["run_dir"]), task["idx"], attempt.get("submitted_at"))])
-        cause += ": cancelled, the task goes out as a new job"
-        detail = {**action["detail"], "delay_s": 0, "tag": f"r{secrets.token_hex(3)}"}
+        stuck = [n for n in obs.nodes.split(",") if n] if obs.state == AttemptState.RUNNING else []
+        cause += ": cancelled, the task goes out as a new job" + (f" off node(s) {','.join(stuck)}" if stuck else "")
+        exclude = sorted({*action["detail"].get("exclude", []), *stuck})
+        detail = {**action["detail"], "exclude": exclude, "delay_s": 0, "tag": f"r{secrets.token_hex(3)}"}
         self.ledger.replan_action(exp["id"], task["idx"], attempt["number"], RecoveryKind.RESUBMIT.value, detail, cause)
         self._carry_out(exp, task, attempt, RecoveryKind.RESUBMIT, detail, cause)
 
