@@ -52,6 +52,9 @@ def rank(r: int, stage: int, out: str, port: int) -> None:
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(out, tag="state", save_latest=False)
+    # both ranks done with every collective before either tears gloo down: without it a rank
+    # leaving early aborted the other now and then ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
