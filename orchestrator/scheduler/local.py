@@ -96,16 +96,7 @@ class LocalScheduler:
             f"{len(plan.tasks)} task(s), at most {plan.max_parallel} at once, on this machine")
 
     def submit(self, plan: Plan, watched: bool = False) -> dict[int, str]:
-        import submitit
-
-        executor = submitit.LocalExecutor(folder=str(plan.run_dir / "submitit"))
-        executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
-        indices = [t.index for t in plan.tasks]
-        for i in indices:
-            contract.atomic_write_json(state_path(plan.run_dir, i), {"state": "PENDING", "time": time.time()})
-        with _detached():
-            job = executor.submit(run_driver, str(plan.run_dir), indices, plan.max_parallel)
-        return {i: f"{job.job_id}_{i}" for i in indices}
+        return _start_driver(plan.run_dir, [t.index for t in plan.tasks], plan.max_parallel)
 
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
         out: dict[str, Observation] = {}
@@ -147,42 +138,21 @@ class LocalScheduler:
         pass  # one machine: nothing to exclude
 
     def resubmit(self, run_dir: Path, index: int, exclude: list[str], delay_s: float, tag: str) -> str:
-        import submitit
-
-        executor = submitit.LocalExecutor(folder=str(Path(run_dir) / "submitit"))
-        executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
-        contract.atomic_write_json(state_path(run_dir, index), {"state": "PENDING", "time": time.time()})
-        with _detached():
-            job = executor.submit(run_driver, str(run_dir), [index], None, tag, delay_s)
-        return f"{job.job_id}_{index}"
+        return _start_driver(run_dir, [index], None, tag, delay_s)[index]
 
     def queue_room(self, run_dir: Path, wanted: int) -> Room:
         return Room(None)  # one machine: no queue limit; every task goes out at submit
 
     def submit_tasks(self, run_dir: Path, indices: list[int], max_parallel: int | None, after: str | None, tag: str) -> dict[int, str]:
-        import submitit
-
-        executor = submitit.LocalExecutor(folder=str(Path(run_dir) / "submitit"))
-        executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
-        for i in indices:
-            contract.atomic_write_json(state_path(run_dir, i), {"state": "PENDING", "time": time.time()})
-        with _detached():
-            job = executor.submit(run_driver, str(run_dir), indices, max_parallel, tag)
-        return {i: f"{job.job_id}_{i}" for i in indices}
+        return _start_driver(run_dir, indices, max_parallel, tag)
 
     def find_tasks(self, run_dir: Path, tag: str, since: float, indices: list[int]) -> dict[int, str]:
-        for f in (Path(run_dir) / "local").glob("driver-*.json"):
-            rec = contract.read_json(f) or {}
-            if rec.get("tag") == tag:
-                return {i: f"{rec['job_id']}_{i}" for i in indices}
-        return {}
+        rec = _driver_tagged(run_dir, tag)
+        return {i: f"{rec['job_id']}_{i}" for i in indices} if rec else {}
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
-        for f in (Path(run_dir) / "local").glob("driver-*.json"):
-            rec = contract.read_json(f) or {}
-            if rec.get("tag") == tag:
-                return f"{rec['job_id']}_{rec['indices'][0]}"
-        return None
+        rec = _driver_tagged(run_dir, tag)
+        return f"{rec['job_id']}_{rec['indices'][0]}" if rec else None
 
     def node_states(self) -> dict[str, str]:
         return {}
@@ -191,6 +161,29 @@ class LocalScheduler:
 
 
 # ---------------------------------------------------------------- the driver (runs detached)
+
+
+def _start_driver(run_dir: Path, indices: list[int], max_parallel: int | None, tag: str | None = None,
+                  delay_s: float = 0) -> dict[int, str]:
+    """A driver for ``indices`` under submitit's LocalExecutor, detached; task index -> job id."""
+    import submitit
+
+    executor = submitit.LocalExecutor(folder=str(Path(run_dir) / "submitit"))
+    executor.update_parameters(timeout_min=DRIVER_TIMEOUT_MIN, nodes=1, tasks_per_node=1)
+    for i in indices:
+        contract.atomic_write_json(state_path(run_dir, i), {"state": "PENDING", "time": time.time()})
+    with _detached():
+        job = executor.submit(run_driver, str(run_dir), indices, max_parallel, tag, delay_s)
+    return {i: f"{job.job_id}_{i}" for i in indices}
+
+
+def _driver_tagged(run_dir: Path, tag: str) -> dict | None:
+    """The record of the driver a submission with ``tag`` started (for a watcher that died before recording it)."""
+    for f in (Path(run_dir) / "local").glob("driver-*.json"):
+        rec = contract.read_json(f) or {}
+        if rec.get("tag") == tag:
+            return rec
+    return None
 
 
 def run_driver(run_dir: str, indices: list[int], max_parallel: int | None, tag: str | None = None, delay_s: float = 0) -> dict:

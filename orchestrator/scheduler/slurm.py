@@ -28,7 +28,7 @@ from orchestrator.errors import SchedulerError, UserError
 from orchestrator.scheduler import commands
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 from orchestrator.scheduler.site_limits import Room, SiteLimits, Split, parse_config_limits, parse_max_submit, room, split
-from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
+from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, by_key, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
 from orchestrator.states import AttemptState
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class SlurmScheduler:
                 if arrays and plan.max_parallel:
                     # one max_parallel budget across arrays: each array starts once the one before ended
                     # (and after whatever the spec's own dependency waits for: ',' is AND)
-                    extra["dependency"] = ",".join(filter(None, [str(extra.get("dependency") or ""), f"afterany:{arrays[-1]}"]))
+                    extra["dependency"] = after_job(extra, arrays[-1])
                 executor.update_parameters(**{**params, "array_parallelism": min(params["array_parallelism"], len(part)),
                                               "additional_parameters": extra})
                 jobs = executor.map_array(submitit_entry, [str(t.task_dir) for t in part])
@@ -188,7 +188,7 @@ class SlurmScheduler:
             params["array_parallelism"] = min(max_parallel or len(indices), len(indices))
             extra = params.setdefault("additional_parameters", {})
             if after:
-                extra["dependency"] = ",".join(filter(None, [str(extra.get("dependency") or ""), f"afterany:{after}"]))
+                extra["dependency"] = after_job(extra, after)
 
         executor = _saved_executor(run_dir, tag, adjust)
         try:
@@ -207,9 +207,9 @@ class SlurmScheduler:
         keys = [r.job_id for r in refs]
         shown = self.runner.query(["squeue", "-h", "-r", "--me", "-o", SQUEUE_FORMAT], timeout=QUERY_TIMEOUT_S)
         queue = parse_squeue(shown.stdout)
-        queued = queued_states(queue)
-        ask = [r for r in refs if r.job_id not in queued or queued[r.job_id].ended  # how it ended: exit code, cause
-               or (r.started and queued[r.job_id] == AttemptState.PENDING)]
+        queued = by_key(queue)
+        ask = [r for r in refs if r.job_id not in queued or queued[r.job_id].state.ended  # how it ended: exit code, cause
+               or (r.started and queued[r.job_id].state == AttemptState.PENDING)]
         records = []
         if ask and self.accounting is not False:
             try:
@@ -301,6 +301,12 @@ class SlurmScheduler:
         return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
 
+def after_job(extra: dict, job: str) -> str:
+    """The dependency of a chained array: after ``job`` has ended, and after whatever the
+    spec's own dependency waits for (',' is AND)."""
+    return ",".join(filter(None, [str(extra.get("dependency") or ""), f"afterany:{job}"]))
+
+
 def _saved_executor(run_dir: Path, tag: str, adjust):
     """submitit's executor with the experiment's own request as submit saved it (named with
     ``tag``), changed by ``adjust``; checked again, since the file may have been edited since."""
@@ -318,15 +324,6 @@ def _saved_executor(run_dir: Path, tag: str, adjust):
     executor = submitit.SlurmExecutor(folder=Path(run_dir) / "submitit", python=python)
     executor.update_parameters(**params)
     return executor
-
-
-def queued_states(queue: list) -> dict[str, AttemptState]:
-    """Every array task and job squeue lists (a pending range expanded), and its state."""
-    out: dict[str, AttemptState] = {}
-    for q in queue:
-        for t in q.id.pending or ((q.id.task,) if q.id.task is not None else (None,)):
-            out[f"{q.id.job}_{t}" if t is not None else q.id.job] = q.state
-    return out
 
 
 NO_ACCOUNTING = "accounting storage is disabled"  # sacct's words on a cluster without slurmdbd

@@ -227,6 +227,15 @@ def parse_squeue(text: str) -> list[SqueueRecord]:
     return out
 
 
+def by_key(squeue: list[SqueueRecord]) -> dict[str, SqueueRecord]:
+    """Every job and array task squeue lists (a pending range expanded), by our job id."""
+    out: dict[str, SqueueRecord] = {}
+    for q in squeue:
+        for t in q.id.pending or ((q.id.task,) if q.id.task is not None else (None,)):
+            out[f"{q.id.job}_{t}" if t is not None else q.id.job] = q
+    return out
+
+
 # ---------------------------------------------------------------- sacct + squeue -> observations
 
 _ENDED_REASON = {
@@ -263,10 +272,7 @@ def observe(
     runs = history(sacct)
     arrays = {r.id.job for r in sacct if r.id.task is not None or r.id.pending}
     arrays |= {q.id.job for q in squeue if q.id.task is not None or q.id.pending}
-    live: dict[str, SqueueRecord] = {}
-    for q in squeue:
-        for t in q.id.pending or ((q.id.task,) if q.id.task is not None else (None,)):
-            live[f"{q.id.job}_{t}" if t is not None else q.id.job] = q
+    live = by_key(squeue)
     out = {}
     for key in keys:
         ended = tuple((r.state, _reason(r, user_of), ",".join(r.nodes)) for r in runs.get(key, []) if r.state.ended)

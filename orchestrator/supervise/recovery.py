@@ -15,7 +15,7 @@ from orchestrator.contract import ExitCode, FailureKind, Phase, TextEnum
 from orchestrator.contract.generations import STOP_BARRIER_S
 from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.scheduler.base import Capabilities, Observation
-from orchestrator.states import AttemptState
+from orchestrator.states import ActionState, AttemptState
 
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
 LEARNED_TIMEOUT_MIN_S = 60.0
@@ -162,7 +162,7 @@ def requeue_not_taken(action: dict | None, obs: Observation | None, now: float, 
     requeue (None: it has, or may still): it still runs the run from before the requeue
     (processes SLURM cannot kill, or a site that ignores the request), or it ended without
     coming back. Then only a new job will do."""
-    if action is None or action["kind"] != RecoveryKind.REQUEUE or action["state"] != "DONE" or obs is None:
+    if action is None or action["kind"] != RecoveryKind.REQUEUE or action["state"] != ActionState.DONE or obs is None:
         return None
     done_at = action.get("done_at") or 0
     if now - done_at < wait_s or obs.state == AttemptState.PENDING:

@@ -155,9 +155,13 @@ def _still_true(last: dict[str, Observation], live: list[LiveTask], launches: di
     poll saw pending that has a launch on disk since has started (a requeue would have ended
     a launch, and that is polled for at once), so its stale "pending" must not read as
     "pending again after it ran"."""
-    started = {i.attempt["job_id"] for i in live
-               if any(l.job_id == i.attempt["job_id"] for l in launches.get((i.exp["id"], i.task["idx"])) or [])}
+    started = {i.attempt["job_id"] for i in live if own_launches(i, launches.get((i.exp["id"], i.task["idx"])))}
     return {k: o for k, o in last.items() if not (o.state == AttemptState.PENDING and k in started)}
+
+
+def own_launches(item: LiveTask, launches: list | None) -> list:
+    """The task's launches of its newest attempt's job (oldest first)."""
+    return [l for l in launches or [] if l.job_id == item.attempt["job_id"]]
 
 
 def needs_scheduler(item: LiveTask, launches: list | None, last: Observation | None = None) -> bool:
@@ -170,7 +174,7 @@ def needs_scheduler(item: LiveTask, launches: list | None, last: Observation | N
         quiet = last is not None and last.state == AttemptState.PENDING and last.reason not in ACT_ON_REASONS
         if not quiet:
             return True
-    mine = [l for l in launches or [] if l.job_id == item.attempt["job_id"]]
+    mine = own_launches(item, launches)
     if not mine:
         return False
     if item.attempt.get("launch") != mine[-1].key:

@@ -60,13 +60,18 @@ def watching_all(ledger: Ledger) -> bool:
     return ledger.lease(ALL_LEASE) is not None
 
 
-def spec_exclude(exp: dict) -> list[str]:
-    """The spec's own resources.exclude (the ledger keeps the merged spec)."""
+def spec_value(exp: dict, section: str, key: str):
+    """One value of the experiment's merged spec as the ledger keeps it (None when unreadable)."""
     try:
-        nodes = json.loads(exp.get("spec") or "{}").get("resources", {}).get("exclude") or []
+        return json.loads(exp.get("spec") or "{}").get(section, {}).get(key)
     except (ValueError, AttributeError):
-        return []
-    return [n for n in nodes if isinstance(n, str)]
+        return None
+
+
+def spec_exclude(exp: dict) -> list[str]:
+    """The spec's own resources.exclude."""
+    nodes = spec_value(exp, "resources", "exclude")
+    return [n for n in nodes if isinstance(n, str)] if isinstance(nodes, list) else []
 
 
 def with_spec_exclude(exp: dict, nodes: list[str]) -> list[str]:
@@ -83,12 +88,14 @@ def requeue_take_s() -> float:
 
 
 def experiment_max_parallel(exp: dict) -> int | None:
-    """sweep.max_parallel of the experiment (the ledger keeps the merged spec)."""
-    try:
-        value = json.loads(exp.get("spec") or "{}").get("sweep", {}).get("max_parallel")
-    except (ValueError, AttributeError):
-        return None
+    """sweep.max_parallel of the experiment."""
+    value = spec_value(exp, "sweep", "max_parallel")
     return value if isinstance(value, int) and value > 0 else None
+
+
+def array_of(job_id: str) -> str:
+    """The array (or job) an array task's id belongs to: ``123`` of ``123_4``."""
+    return job_id.split("_")[0]
 
 
 def chain_tail(attempts: list[dict]) -> str | None:
@@ -97,8 +104,8 @@ def chain_tail(attempts: list[dict]) -> str | None:
     firsts = [a for a in attempts if a["number"] == 1 and a.get("job_id")]
     if not firsts:
         return None
-    last = max(firsts, key=lambda a: (a.get("submitted_at") or 0, len(a["job_id"].split("_")[0]), a["job_id"].split("_")[0]))
-    return last["job_id"].split("_")[0]
+    last = max(firsts, key=lambda a: (a.get("submitted_at") or 0, int(array_of(a["job_id"])) if array_of(a["job_id"]).isdigit() else 0))
+    return array_of(last["job_id"])
 
 
 class Watcher:
@@ -130,8 +137,9 @@ class Watcher:
         for exp in exps:
             exp = self.ledger.experiment(exp["id"])
             if TaskState(exp["state"]).terminal:
-                if self._submissions_planned(exp) and observations is not None and self._lease(exp):
-                    self._queue_waiting(exp, [])  # a task cancelled while its job went out: that job is cancelled too
+                planned = self._submissions_planned(exp)
+                if planned and observations is not None and self._lease(exp):
+                    self._queue_waiting(exp, [], planned)  # a task cancelled while its job went out: that job is cancelled too
                 self.ledger.release_lease(lease_name(exp["id"]), self.owner)
                 continue
             if not self._lease(exp):
@@ -172,10 +180,11 @@ class Watcher:
                     self._task_failed(exp, task, exc)
             # tasks without a job wait for room only once the submission said so (it may still be recording them)
             waiting = waiting if waiting and polled and self.ledger.has_event_of_kind(exp["id"], QUEUE_WAITING) else []
-            if (waiting or self._submissions_planned(exp)) and observations is not None \
+            planned = self._submissions_planned(exp)
+            if (waiting or planned) and observations is not None \
                     and self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
                 try:
-                    self._queue_waiting(exp, waiting)
+                    self._queue_waiting(exp, waiting, planned)
                 except SchedulerError as exc:
                     log.warning("%s: could not submit the tasks waiting for room in the queue (%s); will retry", exp["id"], exc)
                 except Exception as exc:
@@ -308,11 +317,10 @@ class Watcher:
     def _submissions_planned(self, exp: dict) -> list[dict]:
         return [a for a in self.ledger.actions(exp["id"], state=ActionState.PLANNED) if a["kind"] == RecoveryKind.SUBMIT]
 
-    def _queue_waiting(self, exp: dict, waiting: list[int]) -> None:
+    def _queue_waiting(self, exp: dict, waiting: list[int], planned: list[dict]) -> None:
         """Tasks the queue had no room for (MaxSubmitJobs, MaxJobCount) go out as one array
         each time enough room frees up. Written down before sbatch, recorded after: a watcher
         killed in between finds its array by name, or learns that none went out."""
-        planned = self._submissions_planned(exp)
         if planned:
             self._finish_submissions(exp, planned)
             return  # the next cycle looks again, with what is now queued
@@ -326,7 +334,7 @@ class Watcher:
         if not batch:
             return
         after = chain_tail(attempts) if max_parallel else None
-        if after is not None and not any(a["job_id"].split("_")[0] == after and not AttemptState(a["state"]).ended for a in latest.values()):
+        if after is not None and not any(array_of(a["job_id"]) == after and not AttemptState(a["state"]).ended for a in latest.values()):
             after = None  # it ended: nothing to wait for (and SLURM may have forgotten it)
         tag = f"q{secrets.token_hex(3)}"
         room = f"room for {now.jobs} more job(s) ({now.words})" if now.jobs is not None else "no queue limit now"
