@@ -109,6 +109,17 @@ def slurm_run(*argv: str, timeout: float = 60) -> str:
     return out.stdout
 
 
+def sacct_runs(job: str, timeout: float = 60) -> list[str]:
+    """The states of every run of JOB (`sacct -D`), once its last run has ended in accounting:
+    the ledger may call a task done from its files a moment before slurmdbd hears the job end."""
+    deadline = time.time() + timeout
+    while True:
+        runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
+        if runs and runs[-1] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED") or time.time() > deadline:
+            return runs
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Hugging Face model folder (tests/hf/tiny.py), built once per test file."""

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SESSION_START, WatcherProc, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
+from conftest import REPO, SESSION_START, WatcherProc, cli, sacct_runs, slurm_run, status_json, submit, task_metrics as metrics, wait_for_step, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -320,7 +320,7 @@ def test_a_watcher_killed_in_the_middle_of_a_recovery_makes_exactly_one_new_atte
     [done] = ledger.actions(exp_id, 0)
     assert done["state"] == "DONE"
     assert any("a watcher left halfway" in e["cause"] for e in ledger.events(exp_id))
-    runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", attempts[0]["job_id"]).split()
+    runs = sacct_runs(attempts[0]["job_id"])
     assert runs[-1] == "COMPLETED" and len(runs) == 2, runs  # one requeue, not two
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import SESSION_START, cli, slurm_run, status_json, submit, task_metrics as metrics, wait_experiment, write
+from conftest import cli, sacct_runs, slurm_run, status_json, submit, task_metrics as metrics, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 
@@ -67,7 +67,7 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
     assert exp["tasks"][0]["loss"] == preempt_reference, (exp["tasks"][0]["loss"], preempt_reference)
 
     job = exp["tasks"][0]["job_id"]
-    runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
+    runs = sacct_runs(job)
     ledger = Ledger.open(home / "ledger.db")
     attempts = ledger.attempts(exp_id, 0)
     assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
@@ -112,5 +112,5 @@ def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, h
     for a in attempts[:-1]:
         assert a["state"] == "REQUEUED" and "(time limit signal); requeued by the node agent" in a["reason"], a
     job = exp["tasks"][0]["job_id"]
-    runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", job).split()
+    runs = sacct_runs(job)
     assert runs[-len(attempts):] == ["REQUEUED"] * (len(attempts) - 1) + ["COMPLETED"], runs

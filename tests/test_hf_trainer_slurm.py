@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SESSION_START, cli, slurm_run, status_json, submit, wait_experiment, write
+from conftest import REPO, cli, sacct_runs, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 from conftest import task_metrics as metrics
@@ -120,7 +120,7 @@ def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home
     res = cli("ckpt", "consolidate", str(tdir), "--out", str(out), home=home)
     assert res.returncode == 0, res.stderr
     _loads_as_the_checkpoint(tiny_model, out, final)
-    runs = slurm_run("sacct", "-S", SESSION_START, "-D", "-X", "-n", "-P", "-o", "State", "-j", exp["tasks"][0]["job_id"]).split()
+    runs = sacct_runs(exp["tasks"][0]["job_id"])
     assert runs[-2:] == ["REQUEUED", "COMPLETED"], runs
 
 
