@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, machine, python, stats  # noqa: E402
+from bench.common import REPO, compile_package, machine, python, stats  # noqa: E402
 
 RANKS = 8  # per task: 2 nodes of 4 ranks
 LIVE = 100  # tasks whose heartbeats are ingested each cycle
@@ -73,11 +73,10 @@ def plain_read(tdirs: list[Path]) -> int:
 
 def ingest_bench(home: Path, repeats: int) -> dict:
     """One watcher cycle's ingest (files -> ledger, one transaction: ``refresh.ingest_all``,
-    as the watcher runs it) against sqlite-utils inserting the same rows in one transaction;
-    and its reading of the files alone against a plain read of the same files."""
-    from orchestrator import contract
-    from orchestrator.contract import records
-    from orchestrator.contract.safe_read import read_jsonl
+    as the watcher runs it), and its two halves apart, each against its limit: the storing
+    (``ingest.store``) against sqlite-utils inserting the same rows in one transaction, the
+    reading (``ingest.read_progress``: bounded reads, every record checked) against a plain
+    read of the same files."""
     from orchestrator.ledger import Ledger
     from orchestrator.supervise import ingest, refresh
 
@@ -90,22 +89,29 @@ def ingest_bench(home: Path, repeats: int) -> dict:
         ledger.add_attempt("live", i, f"1_{i}", "submitted")
     live = refresh.live_attempts(ledger, [exp])
     tdirs = [run / "tasks" / str(i) for i in range(LIVE)]
-    ours, raw, reads, parses = [], [], [], []
+    cycles, stores, raw, reads, parses = [], [], [], [], []
     for k in range(repeats):
         for tdir in tdirs:
-            write_beats(tdir, 10 * (k + 1))
-        t0 = time.perf_counter()
-        plain_read(tdirs)
-        reads.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for tdir in tdirs:  # our reading alone: every record checked against its schema, nothing stored
-            ingest.read_heartbeats(tdir)
-            read_jsonl(contract.metrics_path(tdir), 0, records.METRIC)
-        parses.append(time.perf_counter() - t0)
+            write_beats(tdir, 100 * (k + 1))
         t0 = time.perf_counter()
         with ledger.tx():
             refresh.ingest_all(ledger, live)
-        ours.append(time.perf_counter() - t0)
+        cycles.append(time.perf_counter() - t0)
+
+        for tdir in tdirs:
+            write_beats(tdir, 100 * (k + 1) + 50)
+        t0 = time.perf_counter()
+        plain_read(tdirs)
+        reads.append(time.perf_counter() - t0)
+        cursors = ledger.cursors([key for i in live for key in ingest.cursor_keys(i.task["task_dir"])])
+        t0 = time.perf_counter()
+        batches = [b for i in live for b in ingest.read_progress("live", i.task["idx"], i.task["task_dir"], cursors)]
+        parses.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ledger.tx():
+            ingest.store(ledger, batches)
+        stores.append(time.perf_counter() - t0)
+
         rows = [{"experiment_id": "raw", "idx": i, "rank": r, "step": k, "phase": "train", "node": "n0", "time": time.time(),
                  "launch": "x", "step_time_s": 0.5, "generation": 0} for i in range(LIVE) for r in range(RANKS)]
         t0 = time.perf_counter()
@@ -116,10 +122,13 @@ def ingest_bench(home: Path, repeats: int) -> dict:
         raw.append(time.perf_counter() - t0)
     ledger.close()
     rows_per_cycle = LIVE * (RANKS + 1)
+    med = {name: stats(v)["median"] for name, v in (("cycle", cycles), ("store", stores), ("raw", raw), ("read", reads), ("parse", parses))}
     return {"tasks": LIVE, "ranks_per_task": RANKS, "rows_per_cycle": rows_per_cycle,
-            "ours_s": stats(ours), "sqlite_s": stats(raw), "plain_read_s": stats(reads), "our_read_s": stats(parses),
-            "read_ratio": round(stats(reads)["median"] / stats(parses)["median"], 2),
-            "ours_rows_per_s": round(rows_per_cycle / stats(ours)["median"]), "sqlite_rows_per_s": round(rows_per_cycle / stats(raw)["median"])}
+            "cycle_s": stats(cycles), "store_s": stats(stores), "sqlite_s": stats(raw), "plain_read_s": stats(reads), "our_read_s": stats(parses),
+            "store_ratio": round(med["raw"] / med["store"], 2), "read_ratio": round(med["read"] / med["parse"], 2),
+            "cycle_ratio": round(med["raw"] / med["cycle"], 2), "floor_cycle_ratio": round((med["raw"] + med["read"]) / med["cycle"], 2),
+            "cycle_rows_per_s": round(rows_per_cycle / med["cycle"]), "store_rows_per_s": round(rows_per_cycle / med["store"]),
+            "sqlite_rows_per_s": round(rows_per_cycle / med["raw"])}
 
 
 def cli_seconds(home: Path, *args: str) -> float:
@@ -139,6 +148,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/bench-ledger")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    compile_package()
     home = Path(args.workdir)
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
@@ -173,8 +183,10 @@ def render(res: dict) -> str:
         "(a heartbeat per rank, a metrics line per task), seconds per cycle (min / median / max):", "",
         "| path | seconds per cycle | rows/s | ratio |", "|---|---|---|---|",
         f"| sqlite-utils upsert of the same rows, one transaction (limit) | {sec(i['sqlite_s'])} | {i['sqlite_rows_per_s']:,} | 1 |",
-        f"| **ours**: read the files, ingest, update the tasks, one transaction | {sec(i['ours_s'])} | {i['ours_rows_per_s']:,} | "
-        f"**{i['ours_rows_per_s'] / i['sqlite_rows_per_s']:.2f}× the limit** |", "",
+        f"| **ours, storing**: the rows read into the ledger, tasks updated, one transaction | {sec(i['store_s'])} | "
+        f"{i['store_rows_per_s']:,} | **{i['store_ratio']}× the limit** |",
+        f"| ours, a whole cycle: read the files, store, one transaction | {sec(i['cycle_s'])} | {i['cycle_rows_per_s']:,} | "
+        f"{i['cycle_ratio']}× the limit; {i['floor_cycle_ratio']}× the limit plus a plain read |", "",
         "Reading alone, the same files, seconds per cycle:", "",
         "| path | seconds per cycle | ratio |", "|---|---|---|",
         f"| open and read every file whole, nothing parsed (the floor) | {sec(i['plain_read_s'])} | 1 |",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, cancel_all, cluster, machine, python, slurm, stats  # noqa: E402
+from bench.common import REPO, cancel_all, cluster, compile_package, machine, python, slurm, stats  # noqa: E402
 
 TOOLS = ("orchestrate", "sbatch", "submitit")
 ENDED = 10  # tasks told to end in the notice test: half finish, half fail
@@ -197,6 +197,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.submitit_child:
         return submitit_child(Path(args.submitit_child), args.tasks)
+    compile_package()
     env = cluster(cpus=32, mem_mb=65536)
     res = {"machine": machine(), "tasks": args.tasks, "window_s": args.window, "submit": {}, "all_running": {}, "load": {}}
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -308,8 +309,9 @@ def test_steps_of_text_among_numbers_skip_only_those_lines(world, home, capsys):
     assert [m["step"] for m in ledger.metrics("A", 0)] == [*range(1, 12), 14]
     causes = skipped(home)
     assert len(causes) == 2, causes
-    assert causes[0].startswith("metrics.jsonl: skipped 2 bad line(s); the first, at byte ") and "field 'step'" in causes[0]
-    assert causes[1].startswith("heartbeats/rank-1.json: field 'step'")
+    lines, record = sorted(causes, key=lambda c: not c.startswith("metrics.jsonl"))  # the file's own event first
+    assert lines.startswith("metrics.jsonl: skipped 2 bad line(s); the first, at byte ") and "field 'step'" in lines
+    assert record.startswith("heartbeats/rank-1.json: field 'step'")
     run(capsys, "status")
     assert len(skipped(home)) == 2
 
@@ -435,19 +437,41 @@ def test_damaged_values_already_in_the_ledger_are_rendered_as_text(world, home, 
 def test_an_unexpected_error_in_one_task_is_an_event_once_and_the_others_go_on(tmp_path, monkeypatch):
     ledger = Ledger.memory(strict=False)
     add_experiment(ledger, tmp_path, "A", 2)
-    real = ingest.ingest_progress
+    real = ingest.read_progress
 
-    def broken(led, exp_id, idx, tdir, problems=None):
+    def broken(exp_id, idx, *args, **kwargs):
         if idx == 0:
             raise KeyError("a bug " + "z" * 10_000)
-        return real(led, exp_id, idx, tdir, problems)
+        return real(exp_id, idx, *args, **kwargs)
 
-    monkeypatch.setattr(ingest, "ingest_progress", broken)
+    monkeypatch.setattr(ingest, "read_progress", broken)
     for _ in range(3):
         refresh.refresh(ledger, ledger.find_experiments())
     assert ledger.task("A", 1)["step"] == 10 and ledger.task("A", 1)["state"] == "RUNNING"
     failed = [e["cause"] for e in ledger.events("A") if e["kind"] == "refresh.failed"]
     assert len(failed) == 1 and failed[0].startswith("refresh failed: KeyError: ") and len(failed[0]) < 400
+
+
+def test_rows_one_task_cannot_store_leave_it_out_and_the_others_are_stored(tmp_path, monkeypatch):
+    """The tasks' rows go in together; when that fails, task by task: only the one at fault is out."""
+    ledger = Ledger.memory(strict=False)
+    add_experiment(ledger, tmp_path, "A", 3)
+    real = Ledger.upsert_heartbeats
+
+    def refuses_task_1(self, rows):
+        if any(r["idx"] == 1 for r in rows):
+            raise sqlite3.IntegrityError("a row the ledger refuses")
+        return real(self, rows)
+
+    monkeypatch.setattr(Ledger, "upsert_heartbeats", refuses_task_1)
+    refresh.refresh(ledger, ledger.find_experiments())
+    assert [ledger.task("A", i)["step"] for i in range(3)] == [10, None, 10]
+    assert [len(ledger.heartbeats("A", i)) for i in range(3)] == [1, 0, 1]
+    failed = [(e["idx"], e["cause"]) for e in ledger.events("A") if e["kind"] == "refresh.failed"]
+    assert failed == [(1, "refresh failed: IntegrityError: a row the ledger refuses; the other tasks go on")], failed
+    monkeypatch.setattr(Ledger, "upsert_heartbeats", real)
+    refresh.refresh(ledger, ledger.find_experiments())  # nothing was taken for read: the next cycle stores it
+    assert ledger.task("A", 1)["step"] == 10
 
 
 def test_a_watcher_that_fails_on_one_task_goes_on_with_the_others(tmp_path, monkeypatch):

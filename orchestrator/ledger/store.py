@@ -275,11 +275,19 @@ class Ledger:
 
     def update_task(self, exp_id: str, idx: int, **fields: Any) -> None:
         """Progress columns (step, loss, heartbeat); the state goes through ``set_task_state``."""
-        assert "state" not in fields, "task states change through set_task_state"
-        fields["updated_at"] = self.clock()
-        sets = ", ".join(f'"{c}" = ?' for c in fields)  # our own column names, never a file's
+        self.update_tasks([(exp_id, idx, fields)])
+
+    def update_tasks(self, updates: list[tuple[str, int, dict]]) -> None:
+        """``update_task`` for many tasks: one statement per set of columns."""
+        now = self.clock()
+        groups: dict[tuple[str, ...], list[tuple]] = {}
+        for exp_id, idx, fields in updates:
+            assert "state" not in fields, "task states change through set_task_state"
+            groups.setdefault((*fields, "updated_at"), []).append((*fields.values(), now, exp_id, idx))
         with self.tx():
-            self.db.conn.execute(f"update tasks set {sets} where experiment_id = ? and idx = ?", [*fields.values(), exp_id, idx])
+            for cols, rows in groups.items():
+                sets = ", ".join(f'"{c}" = ?' for c in cols)  # our own column names, never a file's
+                self.db.conn.executemany(f"update tasks set {sets} where experiment_id = ? and idx = ?", rows)
 
     def _illegal(self, exp_id: str, exc: TransitionError, cause: str, **where: Any) -> None:
         """A move the table forbids: a bug of ours (tests fail on it) or a stale observation."""
@@ -387,8 +395,19 @@ class Ledger:
         row = self.db.execute("select offset from cursors where path = ?", [path]).fetchone()
         return row[0] if row else 0
 
+    def cursors(self, paths: list[str]) -> dict[str, int]:
+        """The read positions of ``paths`` that are set (one query per 500)."""
+        out: dict[str, int] = {}
+        for i in range(0, len(paths), 500):
+            part = paths[i:i + 500]
+            out.update(self.db.execute(f"select path, offset from cursors where path in ({', '.join('?' * len(part))})", part).fetchall())
+        return out
+
     def set_cursor(self, path: str, offset: int) -> None:
-        self._upsert_many("cursors", [{"path": path, "offset": offset}], ("path",))
+        self.set_cursors({path: offset})
+
+    def set_cursors(self, offsets: dict[str, int]) -> None:
+        self._upsert_many("cursors", [{"path": p, "offset": o} for p, o in offsets.items()], ("path",))
 
     def record_checkpoint(self, exp_id: str, idx: int, step: int, path: str, created_at: float | None) -> None:
         """A checkpoint the trainer committed; the task shows its newest."""

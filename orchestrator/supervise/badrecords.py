@@ -30,7 +30,7 @@ class Problem:
 Problems = list[Problem]
 
 
-def read(path: Path, schema: Schema, problems: Problems) -> dict | None:
+def read(path: str | Path, schema: Schema, problems: Problems) -> dict | None:
     """The checked record at ``path``; None (and a problem) when it is bad, None when absent."""
     try:
         return read_record(path, schema)
@@ -39,7 +39,7 @@ def read(path: Path, schema: Schema, problems: Problems) -> dict | None:
         return None
 
 
-def real_dir(path: Path, problems: Problems) -> bool:
+def real_dir(path: str | Path, problems: Problems) -> bool:
     """``path`` is a directory of its own (a link to one is never followed)."""
     try:
         mode = os.lstat(path).st_mode
@@ -51,9 +51,10 @@ def real_dir(path: Path, problems: Problems) -> bool:
     return False
 
 
-def entries(directory: Path, pattern: str, problems: Problems) -> list[Path]:
-    """The names in ``directory`` matching ``pattern``, sorted; a link or a non-file among
-    them is the reader's to refuse. Absent, or not a directory of its own: none."""
+def entries(directory: Path, pattern: str, problems: Problems) -> list[str]:
+    """The paths in ``directory`` whose names match ``pattern``, sorted (strings: the ingest
+    reads thousands a cycle); a link or a non-file among them is the reader's to refuse.
+    Absent, or not a directory of its own: none."""
     if not real_dir(directory, problems):
         return []
     found = []
@@ -64,7 +65,7 @@ def entries(directory: Path, pattern: str, problems: Problems) -> list[Path]:
                     problems.append(Problem(str(directory), f"holds more than {FILES_MAX} entries; only the first were read"))
                     break
                 if fnmatch.fnmatchcase(entry.name, pattern):
-                    found.append(Path(entry.path))
+                    found.append(entry.path)
     except OSError as exc:
         problems.append(Problem(str(directory), f"cannot be listed ({exc.strerror})"))
     return sorted(found)

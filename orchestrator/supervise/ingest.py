@@ -9,6 +9,8 @@ a bad record is skipped and reported once (``badrecords``), never fatal.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import contract
@@ -40,7 +42,7 @@ def _stored_number(value) -> float:
     return float(value) if type(value) in (int, float) and math.isfinite(value) else 0.0
 
 
-def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], metrics: list[dict]) -> dict:
+def _progress_columns(beats: list[dict], metrics: list[dict], step_time_max) -> dict:
     """The task's summary columns from the newest heartbeats and metrics."""
     fields: dict = {}
     if beats:
@@ -50,7 +52,7 @@ def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], 
             fields["step"] = max(steps)
         fields["nodes"] = ",".join(sorted({r["node"] for r in beats if r["node"]}))
         slowest = max((r["step_time_s"] or 0 for r in beats), default=0)
-        if slowest > _stored_number(ledger.task(exp_id, idx).get("step_time_max")):
+        if slowest > _stored_number(step_time_max):
             fields["step_time_max"] = slowest
     if metrics:
         last = max(metrics, key=lambda r: r["step"])
@@ -61,16 +63,44 @@ def _progress_columns(ledger: Ledger, exp_id: str, idx: int, beats: list[dict], 
     return fields
 
 
+@dataclass
+class Batch:
+    """One read of one task's files: rows ready for the ledger, and where reading stopped
+    (stored with them, so a batch is taken whole or not at all)."""
+
+    exp_id: str
+    idx: int
+    beats: list[dict]
+    metrics: list[dict]
+    events: list[dict]  # the trainer's, in order
+    cursors: dict[str, int]
+    skipped: list[str]  # causes of record.skipped events for bad lines
+    progress: dict  # the task's summary columns
+
+    @property
+    def rows(self) -> int:
+        return len(self.beats) + len(self.metrics) + len(self.events)
+
+
+def cursor_keys(task_dir: str | Path) -> list[str]:
+    """The ledger's read positions one task's ingest uses."""
+    return [k for t in (contract.metrics_path(task_dir), contract.events_path(task_dir)) for k in (str(t), _Tail.skip_key_of(t))]
+
+
 class _Tail:
     """The unread end of one append-only JSONL file: where the ledger says reading stopped."""
 
-    def __init__(self, ledger: Ledger, path: Path, schema: Schema):
-        self.ledger, self.path, self.schema = ledger, path, schema
-        self.skip_key = f"{path}#skipping"  # inside a line over the cap
+    def __init__(self, cursors: dict[str, int], path: Path, schema: Schema):
+        self.cursors, self.path, self.schema = cursors, path, schema
+        self.key, self.skip_key = str(path), self.skip_key_of(path)
+
+    @staticmethod
+    def skip_key_of(path: Path) -> str:
+        return f"{path}#skipping"  # inside a line over the cap
 
     def read(self, problems: Problems) -> Lines | None:
         """The next lines; None when nothing moved (or the file is not one to read)."""
-        offset, skipping = self.ledger.cursor(str(self.path)), bool(self.ledger.cursor(self.skip_key))
+        offset, skipping = self.cursors.get(self.key, 0), bool(self.cursors.get(self.skip_key, 0))
         try:
             lines = read_jsonl(self.path, offset, self.schema, skipping=skipping)
         except BadRecord as exc:
@@ -78,46 +108,67 @@ class _Tail:
             return None
         return lines if (lines.offset, lines.skipping) != (offset, skipping) else None
 
-    def consumed(self, lines: Lines | None, exp_id: str, idx: int, task_dir: str | Path) -> None:
-        """Inside the transaction that stores the rows: the new offset, and one event for
-        the lines skipped (each is read once, so each is reported once)."""
+    def consumed(self, lines: Lines | None, batch: Batch, task_dir: str | Path) -> None:
+        """The new offset into the batch (and the read-ahead copy), and one event for the lines
+        skipped (each is read once, so each is reported once)."""
         if lines is None:
             return
-        self.ledger.set_cursor(str(self.path), lines.offset)
-        self.ledger.set_cursor(self.skip_key, int(lines.skipping))
+        moved = {self.key: lines.offset, self.skip_key: int(lines.skipping)}
+        self.cursors.update(moved)
+        batch.cursors.update(moved)
         if lines.first_bad is not None:
             at, why = lines.first_bad
             where = badrecords.relative(str(self.path), task_dir)
-            self.ledger.event(exp_id, badrecords.SKIPPED, f"{where}: skipped {lines.bad} bad line(s); the first, at byte {at}: {why}", idx=idx)
+            batch.skipped.append(f"{where}: skipped {lines.bad} bad line(s); the first, at byte {at}: {why}")
 
 
-def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path, problems: Problems | None = None) -> None:
-    """Heartbeats, metrics and trainer events of one task into the ledger, and its
-    progress columns, in one transaction with the read offsets per batch of lines.
+def read_progress(exp_id: str, idx: int, task_dir: str | Path, cursors: dict[str, int], step_time_max=None,
+                  problems: Problems | None = None) -> Iterator[Batch]:
+    """Heartbeats, metrics and trainer events of one task since the ``cursors`` (the
+    ledger's read positions, kept current here), as batches of at most one bounded read
+    of each file, up to ``BATCHES_PER_REFRESH``. Nothing is written: ``store`` does that.
     Whole files that cannot be read are added to ``problems`` (reported by the caller)."""
     problems = [] if problems is None else problems
     key = {"experiment_id": exp_id, "idx": idx}
     beats = [{**key, **r} for r in read_heartbeats(task_dir, problems)]
-    mtail = _Tail(ledger, contract.metrics_path(task_dir), records.METRIC)
-    etail = _Tail(ledger, contract.events_path(task_dir), records.TRAINER_EVENT)
+    mtail = _Tail(cursors, contract.metrics_path(task_dir), records.METRIC)
+    etail = _Tail(cursors, contract.events_path(task_dir), records.TRAINER_EVENT)
     for _ in range(BATCHES_PER_REFRESH):
         mlines, elines = mtail.read(problems), etail.read(problems)
         if not beats and mlines is None and elines is None:
             return
         metrics = [{**key, "step": m["step"], **{k: m.get(k) for k in _METRIC_FIELDS}} for m in (mlines.rows if mlines else ())]
-        with ledger.tx():
-            for e in elines.rows if elines else ():
-                ledger.event(exp_id, e["event"], e["cause"], idx=idx)
-                if e["event"] == "checkpoint.committed" and e.get("folder") and "step" in e:
-                    ledger.record_checkpoint(exp_id, idx, e["step"], e["folder"], e.get("time"))
-            etail.consumed(elines, exp_id, idx, task_dir)
-            ledger.upsert_heartbeats(beats)
-            ledger.add_metrics(metrics)
-            mtail.consumed(mlines, exp_id, idx, task_dir)
-            ledger.update_task(exp_id, idx, **_progress_columns(ledger, exp_id, idx, beats, metrics))
+        batch = Batch(exp_id, idx, beats, metrics, list(elines.rows) if elines else [], {}, [],
+                      _progress_columns(beats, metrics, step_time_max))
+        etail.consumed(elines, batch, task_dir)
+        mtail.consumed(mlines, batch, task_dir)
+        yield batch
         beats = []
         if not any(lines is not None and lines.more for lines in (mlines, elines)):
             return
+
+
+def store(ledger: Ledger, batches: list[Batch]) -> None:
+    """Batches into the ledger, in the caller's transaction: one statement per table for
+    all of them (the rows are checked already), events and checkpoints in file order."""
+    for b in batches:
+        for e in b.events:
+            ledger.event(b.exp_id, e["event"], e["cause"], idx=b.idx)
+            if e["event"] == "checkpoint.committed" and e.get("folder") and "step" in e:
+                ledger.record_checkpoint(b.exp_id, b.idx, e["step"], e["folder"], e.get("time"))
+        for cause in b.skipped:
+            ledger.event(b.exp_id, badrecords.SKIPPED, cause, idx=b.idx)
+    ledger.set_cursors({k: v for b in batches for k, v in b.cursors.items()})
+    ledger.upsert_heartbeats([r for b in batches for r in b.beats])
+    ledger.add_metrics([r for b in batches for r in b.metrics])
+    ledger.update_tasks([(b.exp_id, b.idx, b.progress) for b in batches if b.progress])
+
+
+def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path, problems: Problems | None = None) -> None:
+    """One task's files into the ledger, in one transaction (``refresh.ingest_all`` does many)."""
+    with ledger.tx():
+        cursors = ledger.cursors(cursor_keys(task_dir))
+        store(ledger, list(read_progress(exp_id, idx, task_dir, cursors, ledger.task(exp_id, idx).get("step_time_max"), problems)))
 
 
 def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: int, launch: LaunchRecord, task_dir: str) -> None:

@@ -111,7 +111,7 @@ def read_launches(task_dir: str | Path, problems: Problems | None = None) -> lis
     as bad are added to ``problems``."""
     problems = [] if problems is None else problems
     out = []
-    for d in badrecords.entries(contract.launches_dir(task_dir), "*", problems):
+    for d in map(Path, badrecords.entries(contract.launches_dir(task_dir), "*", problems)):
         if badrecords.real_dir(d, problems) and (rec := read_launch(d, problems)) is not None:
             out.append(rec)
     return sorted(out, key=lambda r: (r.started, r.restart_count))

@@ -215,21 +215,59 @@ class PollPacer:
 
 def ingest_all(ledger: Ledger, live: list[LiveTask]) -> dict[tuple[str, int], list]:
     """Every live task's files into the ledger (the caller's transaction); each task's launch
-    records, for reconciling. A task whose files could not be ingested is left out (reported)."""
+    records, for reconciling. The files are read task by task and their rows stored
+    together (``ingest.store``: a statement per table, not per task); a task whose files
+    could not be read or stored is left out (reported), the others go on."""
     out: dict[tuple[str, int], list] = {}
+    cursors = ledger.cursors([k for item in live for k in ingest.cursor_keys(item.task["task_dir"])])
+    pending: list[tuple[LiveTask, list[ingest.Batch]]] = []
+    failed: set[tuple[str, int]] = set()
+    rows = 0
     for item in live:
         exp_id, idx, tdir = item.exp["id"], item.task["idx"], item.task["task_dir"]
+        problems: badrecords.Problems = []
+        batches: list[ingest.Batch] = []
         try:
+            for batch in ingest.read_progress(exp_id, idx, tdir, cursors, item.task.get("step_time_max"), problems):
+                batches.append(batch)
+                rows += batch.rows
+                if rows >= STORE_ROWS:  # a watcher catching up after hours holds a bounded share in memory
+                    failed |= _store(ledger, [*pending, (item, batches)])
+                    pending, batches, rows = [], [], 0
+            launches = read_launches(tdir, problems)
             with ledger.savepoint():
-                problems: badrecords.Problems = []
-                ingest.ingest_progress(ledger, exp_id, idx, tdir, problems)
-                launches = read_launches(tdir, problems)
                 badrecords.report(ledger, exp_id, idx, tdir, problems)
         except Exception as exc:
             task_failed(ledger, item, exc)
+            failed.add((exp_id, idx))
             continue
         out[exp_id, idx] = launches
-    return out
+        pending.append((item, batches))
+    failed |= _store(ledger, pending)
+    return {k: v for k, v in out.items() if k not in failed}
+
+
+STORE_ROWS = 50_000  # rows read before they are stored (the same transaction)
+
+
+def _store(ledger: Ledger, pending: list[tuple[LiveTask, list]]) -> set[tuple[str, int]]:
+    """All the tasks' batches at once; when that fails, task by task, so only the task at
+    fault is left out (returned, and reported)."""
+    try:
+        with ledger.savepoint():
+            ingest.store(ledger, [b for _, batches in pending for b in batches])
+        return set()
+    except Exception:
+        pass
+    failed = set()
+    for item, batches in pending:
+        try:
+            with ledger.savepoint():
+                ingest.store(ledger, batches)
+        except Exception as exc:
+            task_failed(ledger, item, exc)
+            failed.add((item.exp["id"], item.task["idx"]))
+    return failed
 
 
 def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
