@@ -155,6 +155,27 @@ def test_read_commands_import_only_what_they_use(one_experiment, argv):
     assert heavy == [], f"orchestrate {' '.join(argv)} imported {heavy}"
 
 
+def test_status_of_finished_experiments_reads_without_sqlite_utils(tmp_path):
+    """Reading is plain SQL; sqlite-utils (a fifth of the start-up) loads only to write."""
+    from orchestrator.ledger import Ledger
+    from orchestrator.states import TaskState
+
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    ledger.create_experiment({"id": "done1", "name": "done", "executor": "local", "spec_path": "s.yaml", "run_dir": str(tmp_path / "r"),
+                              "spec": "{}"}, [{"idx": 0, "params": {"lr": 0.1}, "task_dir": str(tmp_path / "r" / "0")}])
+    ledger.add_attempt("done1", 0, "1_0", "test")
+    ledger.set_task_state("done1", 0, TaskState.RUNNING, "started")
+    ledger.set_task_state("done1", 0, TaskState.COMPLETED, "ended")
+    ledger.close()
+    code = ("import sys, atexit; from orchestrator.cli.main import main\n"
+            "atexit.register(lambda: print('\\nLOADED', 'sqlite_utils' in sys.modules))\n"
+            "sys.exit(main(['status', 'done']))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "ORCHESTRATE_HOME": str(tmp_path)})
+    assert out.returncode == 0 and "COMPLETED" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.rsplit("LOADED ", 1)[1].strip() == "False"
+
+
 def test_polling_slurm_imports_no_spec_models():
     """A `status` of a SLURM experiment asks squeue and sacct; the batch script's half
     (slurm_script, with the spec's pydantic models) is imported only to submit."""

@@ -22,7 +22,7 @@ def test_old_ledger_upgrades_and_keeps_its_rows(tmp_path):
     migrate(db, upto=1)  # a ledger as the first release left it
     assert current_version(db) == 1
     assert "throughput" not in db["tasks"].columns_dict
-    Ledger(db).create_experiment(
+    Ledger(db.conn).create_experiment(
         {"id": "old", "name": "n", "executor": "local", "spec_path": "s", "run_dir": "/r", "spec": "{}"},
         [{"idx": 0, "params": {}, "task_dir": "/r/0"}],
     )
@@ -176,6 +176,10 @@ def test_a_ledger_other_hosts_see_uses_a_rollback_journal_and_readers_leave_it_t
     ledger.shared = False
     refreshed.clear()
     refresh.for_reader(ledger, [ledger.experiment("e1"), ledger.experiment("e2")])
+    assert refreshed == ["e2"]  # on one host too: a live watcher keeps it current, a reader would only wait for its lock
+    ledger.release_lease("watch:e1", "computenode7:4242:abc")  # the watcher ended: readers refresh it themselves
+    refreshed.clear()
+    refresh.for_reader(ledger, [ledger.experiment("e1"), ledger.experiment("e2")])
     assert refreshed == ["e1", "e2"]
 
 
@@ -231,3 +235,32 @@ def test_a_cycle_is_one_transaction_and_one_tasks_failure_undoes_only_its_own_pa
     assert [t["loss"] for t in ledger.tasks("e")] == [1.5, 1.5, 1.5]  # task 1's ingest stands
     kinds = [(e["kind"], e["idx"]) for e in ledger.events("e")]
     assert ("half.done", 1) not in kinds and ("refresh.failed", 1) in kinds
+
+
+def test_every_write_is_committed_when_it_returns(tmp_path):
+    """Writes are plain SQL on a connection that opens transactions implicitly: each must
+    commit on its own (a write left open holds the lock and is lost at exit)."""
+    from orchestrator.states import CheckpointState, TaskState
+
+    ledger = Ledger.open(tmp_path / "l.db")
+    ledger.create_experiment({"id": "e", "name": "n", "executor": "local", "spec_path": "s", "run_dir": "/r", "spec": "{}"},
+                             [{"idx": 0, "params": {}, "task_dir": "/r/0"}])
+    writes = [
+        lambda: ledger.add_attempt("e", 0, "1_0", "submitted"),
+        lambda: ledger.set_task_state("e", 0, TaskState.RUNNING, "started"),
+        lambda: ledger.update_task("e", 0, step=5, loss=1.5),
+        lambda: ledger.event("e", "x.y", "because"),
+        lambda: ledger.set_cursors({"/r/0/metrics.jsonl": 10}),
+        lambda: ledger.upsert_heartbeats([{"experiment_id": "e", "idx": 0, "rank": 0, "step": 5, "time": 1.0}]),
+        lambda: ledger.record_checkpoint("e", 0, 5, "/r/0/checkpoints/step-5", 1.0),
+        lambda: ledger.mark_checkpoint("e", 0, 5, CheckpointState.PRUNED),
+        lambda: ledger.acquire_lease("watch:e", "me", 30),
+        lambda: ledger.release_lease("watch:e", "me"),
+    ]
+    for write in writes:
+        write()
+        assert not ledger.conn.in_transaction, write
+    other = Ledger.open(tmp_path / "l.db")  # another process sees every one of them
+    assert other.task("e", 0)["step"] == 5 and other.cursors(["/r/0/metrics.jsonl"]) == {"/r/0/metrics.jsonl": 10}
+    assert [c["state"] for c in other.checkpoints("e", 0)] == ["PRUNED"]
+    assert any(e["kind"] == "x.y" for e in other.events("e"))

@@ -474,6 +474,31 @@ def test_rows_one_task_cannot_store_leave_it_out_and_the_others_are_stored(tmp_p
     assert ledger.task("A", 1)["step"] == 10
 
 
+def test_a_task_whose_first_rows_failed_to_store_loses_none_of_them(tmp_path, monkeypatch):
+    """Catching up (rows stored every STORE_ROWS): when one task's share cannot be stored,
+    its reading stops there, so the next cycle reads those rows again; none is skipped."""
+    ledger = Ledger.memory(strict=False)
+    dirs = add_experiment(ledger, tmp_path, "A", 2)
+    line = (json.dumps({**METRIC, "loss": 2.0, "step": 0}) + "\n").encode()
+    with open(contract.metrics_path(dirs[1]), "ab") as fh:  # more than one read's worth: two batches
+        fh.write(b"".join(line.replace(b'"step": 0', f'"step": {s}'.encode()) for s in range(11, 60_011)))
+    monkeypatch.setattr(refresh, "STORE_ROWS", 1000)
+    real, refused = Ledger.add_metrics, []
+
+    def refuses_the_first_share(self, rows):  # the first flush with task 1's rows, all at once and then alone
+        if any(r["idx"] == 1 for r in rows) and len(refused) < 2:
+            refused.append(len(rows))
+            raise sqlite3.OperationalError("disk I/O error")
+        return real(self, rows)
+
+    monkeypatch.setattr(Ledger, "add_metrics", refuses_the_first_share)
+    for _ in range(3):
+        refresh.refresh(ledger, ledger.find_experiments())
+    assert len(refused) == 2
+    assert len(ledger.metrics("A", 0)) == 10
+    assert [m["step"] for m in ledger.metrics("A", 1)] == list(range(1, 60_011))
+
+
 def test_a_watcher_that_fails_on_one_task_goes_on_with_the_others(tmp_path, monkeypatch):
     from orchestrator.supervise.watcher import Watcher
 

@@ -6,10 +6,12 @@ older release upgrades by running the ones it lacks, in order, each in a transac
 
 from __future__ import annotations
 
+import sqlite3
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from orchestrator.ledger.sqlite_utils_lean import sqlite_utils
+if TYPE_CHECKING:
+    import sqlite_utils
 
 
 def _m001_initial(db: sqlite_utils.Database) -> None:
@@ -154,6 +156,11 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
 
 def current_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def pending(conn: sqlite3.Connection) -> bool:
+    """Whether migrations are missing (read without sqlite-utils: most opens need none)."""
+    return conn.execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS)
 
 
 def migrate(db: sqlite_utils.Database, upto: int | None = None) -> list[str]:

@@ -16,15 +16,16 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-from orchestrator.ledger.sqlite_utils_lean import sqlite_utils
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from orchestrator.contract import envvars
 from orchestrator.errors import UserError
 from orchestrator import states
 from orchestrator.states import ActionState, AttemptState, CheckpointState, TaskState, TransitionError
-from orchestrator.ledger.migrations import migrate
+from orchestrator.ledger.migrations import migrate, pending
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,9 @@ def _private(path: Path) -> None:
 
 
 class Ledger:
-    def __init__(self, db: sqlite_utils.Database, clock: Callable[[], float] = time.time, strict: bool | None = None):
-        self.db = db
+    def __init__(self, conn: sqlite3.Connection, clock: Callable[[], float] = time.time, strict: bool | None = None):
+        self.conn = conn
+        self._db: "sqlite_utils.Database | None" = None
         self.clock = clock
         self.strict = os.environ.get(envvars.STRICT_TRANSITIONS) == "1" if strict is None else strict
         self.shared, self.where = False, "memory"  # on a filesystem other hosts see (``ledger_shared``)
@@ -99,7 +101,6 @@ class Ledger:
         except (OSError, sqlite3.Error) as exc:
             raise UserError(f"cannot open the ledger at '{path}': {exc}; set ORCHESTRATE_HOME to a writable folder") from None
         shared, where = ledger_shared(path.parent)
-        db = sqlite_utils.Database(conn)
         conn.execute("PRAGMA busy_timeout = 30000")
         conn.execute("PRAGMA foreign_keys = ON")
         try:
@@ -109,31 +110,42 @@ class Ledger:
                 # and the watcher's lease keeps the writers to one (readers do not refresh)
                 conn.execute("PRAGMA journal_mode = DELETE")
                 conn.execute("PRAGMA synchronous = FULL")
-            else:
-                db.enable_wal()  # readers never block the writer
+            elif conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
         except sqlite3.OperationalError as exc:  # the other mode, held by a process that has it open
             conn.close()
             mode = "a rollback journal (shared filesystem)" if shared else "WAL (one host)"
             raise UserError(f"cannot open the ledger at '{path}' in {mode} ({where}): {exc}; another process has it open "
                             f"in the other mode: stop it, or set {envvars.LEDGER_FS} alike for every process") from None
-        migrate(db)
-        ledger = cls(db, clock)
+        ledger = cls(conn, clock)
+        if pending(conn):
+            migrate(ledger.db)
         ledger.shared, ledger.where = shared, where
         return ledger
 
     @classmethod
     def memory(cls, clock: Callable[[], float] = time.time, strict: bool | None = None) -> "Ledger":
-        db = sqlite_utils.Database(memory=True)
-        migrate(db)
-        return cls(db, clock, strict)
+        ledger = cls(sqlite3.connect(":memory:"), clock, strict)
+        migrate(ledger.db)
+        return ledger
+
+    @property
+    def db(self) -> "sqlite_utils.Database":
+        """sqlite-utils over the same connection, made on first use (schema and writes): its
+        import is a fifth of a read command's start-up, and every read is plain SQL."""
+        if self._db is None:
+            from orchestrator.ledger.sqlite_utils_lean import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn)
+        return self._db
 
     def close(self) -> None:
-        self.db.close()
+        self.conn.close()
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[None]:
         """A write transaction that takes the lock up front (no upgrade deadlocks)."""
-        conn = self.db.conn
+        conn = self.conn
         if conn.in_transaction:
             yield
             return
@@ -145,11 +157,28 @@ class Ledger:
             raise
         conn.execute("COMMIT")
 
+    def _select(self, table: str, where: str | None, args: list, order_by: str | None = None) -> list[dict]:
+        """Rows as dicts, by plain SQL (sqlite-utils' rows_where and get read the table's
+        schema on every call: most of a watcher cycle's time at a thousand tasks). The
+        table, the condition and the order are ours, never a file's."""
+        sql = f'select * from "{table}"' + (f" where {where}" if where else "") + (f" order by {order_by}" if order_by else "")
+        cur = self.conn.execute(sql, args)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def _get(self, table: str, where: str, args: list) -> dict:
+        rows = self._select(table, where, args)
+        if not rows:
+            from orchestrator.ledger.sqlite_utils_lean import sqlite_utils
+
+            raise sqlite_utils.db.NotFoundError(f"{table}: no row where {where} {args}")
+        return rows[0]
+
     @contextlib.contextmanager
     def savepoint(self) -> Iterator[None]:
         """Inside a transaction: a part that is undone alone when it raises (one task's
         refresh in a cycle's transaction), the rest kept."""
-        conn = self.db.conn
+        conn = self.conn
         if not conn.in_transaction:
             with self.tx():
                 yield
@@ -178,25 +207,18 @@ class Ledger:
         old: str | None = None,
         new: str | None = None,
     ) -> None:
-        self.db["events"].insert(
-            {
-                "time": self.clock(),
-                "experiment_id": experiment_id,
-                "idx": idx,
-                "attempt": attempt,
-                "kind": kind,
-                "old_state": old,
-                "new_state": new,
-                "cause": cause,
-            }
-        )
+        with self.tx():  # plain SQL: the most frequent write after the ingest's
+            self.conn.execute(
+                "insert into events (time, experiment_id, idx, attempt, kind, old_state, new_state, cause) values (?, ?, ?, ?, ?, ?, ?, ?)",
+                [self.clock(), experiment_id, idx, attempt, kind, old, new, cause],
+            )
 
     def has_event_of_kind(self, experiment_id: str, kind: str) -> bool:
-        return self.db.execute("select 1 from events where experiment_id = ? and kind = ? limit 1", [experiment_id, kind]).fetchone() is not None
+        return self.conn.execute("select 1 from events where experiment_id = ? and kind = ? limit 1", [experiment_id, kind]).fetchone() is not None
 
     def has_event(self, experiment_id: str, kind: str, cause: str, *, idx: int | None = None) -> bool:
         """Whether this exact event was recorded already (events said once, not every refresh)."""
-        row = self.db.execute(
+        row = self.conn.execute(
             "select 1 from events where experiment_id = ? and idx is ? and kind = ? and cause = ? limit 1",
             [experiment_id, idx, kind, cause],
         ).fetchone()
@@ -229,29 +251,27 @@ class Ledger:
             self.db["experiments"].delete_where("id = ?", [exp_id])
 
     def experiment(self, exp_id: str) -> dict | None:
-        rows = list(self.db["experiments"].rows_where("id = ?", [exp_id]))
+        rows = self._select("experiments", "id = ?", [exp_id])
         return rows[0] if rows else None
 
     def find_experiments(self, ref: str | None = None, live_only: bool = False) -> list[dict]:
         """All experiments (newest first), or those whose id is ``ref``, else named ``ref``."""
         where, args = [], []
         if ref:
-            exact = list(self.db["experiments"].rows_where("id = ?", [ref]))
+            exact = self._select("experiments", "id = ?", [ref])
             if exact:
                 return exact
             where.append("name = ?")
             args.append(ref)
         if live_only:
             where.append("state not in ('COMPLETED', 'FAILED', 'CANCELLED')")
-        return list(
-            self.db["experiments"].rows_where(" and ".join(where) or None, args, order_by="created_at desc, id desc")
-        )
+        return self._select("experiments", " and ".join(where) or None, args, order_by="created_at desc, id desc")
 
     def tasks(self, exp_id: str) -> list[dict]:
-        return list(self.db["tasks"].rows_where("experiment_id = ?", [exp_id], order_by="idx"))
+        return self._select("tasks", "experiment_id = ?", [exp_id], order_by="idx")
 
     def task(self, exp_id: str, idx: int) -> dict:
-        return self.db["tasks"].get((exp_id, idx))
+        return self._get("tasks", "experiment_id = ? and idx = ?", [exp_id, idx])
 
     def set_task_state(self, exp_id: str, idx: int, new: TaskState, cause: str, reason: str | None = None) -> bool:
         """Move a task to ``new`` if the transition table allows it; event and roll-up in one go."""
@@ -265,10 +285,8 @@ class Ledger:
             except TransitionError as exc:
                 self._illegal(exp_id, exc, cause, idx=idx)
                 return False
-            fields: dict[str, Any] = {"state": new.value, "updated_at": self.clock()}
-            if reason is not None:
-                fields["reason"] = reason
-            self.db["tasks"].update((exp_id, idx), fields)
+            self.conn.execute("update tasks set state = ?, updated_at = ?, reason = coalesce(?, reason) where experiment_id = ? and idx = ?",
+                              [new.value, self.clock(), reason, exp_id, idx])
             self.event(exp_id, "task.state", cause, idx=idx, old=old.value, new=new.value)
             self._roll_up(exp_id, cause)
             return True
@@ -287,7 +305,7 @@ class Ledger:
         with self.tx():
             for cols, rows in groups.items():
                 sets = ", ".join(f'"{c}" = ?' for c in cols)  # our own column names, never a file's
-                self.db.conn.executemany(f"update tasks set {sets} where experiment_id = ? and idx = ?", rows)
+                self.conn.executemany(f"update tasks set {sets} where experiment_id = ? and idx = ?", rows)
 
     def _illegal(self, exp_id: str, exc: TransitionError, cause: str, **where: Any) -> None:
         """A move the table forbids: a bug of ours (tests fail on it) or a stale observation."""
@@ -298,25 +316,25 @@ class Ledger:
 
     def _roll_up(self, exp_id: str, cause: str) -> None:
         exp = self.experiment(exp_id)
-        rows = self.db.execute("select state from tasks where experiment_id = ?", [exp_id]).fetchall()
+        rows = self.conn.execute("select state from tasks where experiment_id = ?", [exp_id]).fetchall()
         new = states.experiment_state(TaskState(r[0]) for r in rows)
         if new.value != exp["state"]:
-            self.db["experiments"].update(exp_id, {"state": new.value, "updated_at": self.clock()})
+            self.conn.execute("update experiments set state = ?, updated_at = ? where id = ?", [new.value, self.clock(), exp_id])
             self.event(exp_id, "experiment.state", cause, old=exp["state"], new=new.value)
 
     # ------------------------------------------------------------ attempts
 
     def attempts(self, exp_id: str, idx: int | None = None) -> list[dict]:
         if idx is None:
-            return list(self.db["attempts"].rows_where("experiment_id = ?", [exp_id], order_by="idx, number"))
-        return list(self.db["attempts"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="number"))
+            return self._select("attempts", "experiment_id = ?", [exp_id], order_by="idx, number")
+        return self._select("attempts", "experiment_id = ? and idx = ?", [exp_id, idx], order_by="number")
 
     def attempt(self, exp_id: str, idx: int, number: int) -> dict:
-        return self.db["attempts"].get((exp_id, idx, number))
+        return self._get("attempts", "experiment_id = ? and idx = ? and number = ?", [exp_id, idx, number])
 
     def add_attempt(self, exp_id: str, idx: int, job_id: str, cause: str) -> int:
         with self.tx():
-            row = self.db.execute(
+            row = self.conn.execute(
                 "select coalesce(max(number), 0) from attempts where experiment_id = ? and idx = ?", [exp_id, idx]
             ).fetchone()
             number = row[0] + 1
@@ -339,7 +357,7 @@ class Ledger:
         """Update an attempt; a change of state is recorded as an event. False when the
         transition table refuses the change (nothing is written then)."""
         with self.tx():
-            row = self.db["attempts"].get((exp_id, idx, number))
+            row = self._get("attempts", "experiment_id = ? and idx = ? and number = ?", [exp_id, idx, number])
             changes = {k: v for k, v in fields.items() if row.get(k) != v}
             if not changes:
                 return True
@@ -377,22 +395,22 @@ class Ledger:
             sql = (f'insert into "{table}" ({names}) values ({", ".join("?" * len(cols))}) '
                    f"on conflict ({conflict}) do " + (f"update set {sets}" if sets else "nothing"))
             with self.tx():  # no-op inside the caller's transaction
-                self.db.conn.executemany(sql, [tuple(r[c] for c in cols) for r in group])
+                self.conn.executemany(sql, [tuple(r[c] for c in cols) for r in group])
 
     def upsert_heartbeats(self, rows: list[dict]) -> None:
         self._upsert_many("heartbeats", rows, ("experiment_id", "idx", "rank"))
 
     def heartbeats(self, exp_id: str, idx: int) -> list[dict]:
-        return list(self.db["heartbeats"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="rank"))
+        return self._select("heartbeats", "experiment_id = ? and idx = ?", [exp_id, idx], order_by="rank")
 
     def add_metrics(self, rows: list[dict]) -> None:
         self._upsert_many("metrics", rows, ("experiment_id", "idx", "step"))
 
     def metrics(self, exp_id: str, idx: int) -> list[dict]:
-        return list(self.db["metrics"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
+        return self._select("metrics", "experiment_id = ? and idx = ?", [exp_id, idx], order_by="step")
 
     def cursor(self, path: str) -> int:
-        row = self.db.execute("select offset from cursors where path = ?", [path]).fetchone()
+        row = self.conn.execute("select offset from cursors where path = ?", [path]).fetchone()
         return row[0] if row else 0
 
     def cursors(self, paths: list[str]) -> dict[str, int]:
@@ -400,7 +418,7 @@ class Ledger:
         out: dict[str, int] = {}
         for i in range(0, len(paths), 500):
             part = paths[i:i + 500]
-            out.update(self.db.execute(f"select path, offset from cursors where path in ({', '.join('?' * len(part))})", part).fetchall())
+            out.update(self.conn.execute(f"select path, offset from cursors where path in ({', '.join('?' * len(part))})", part).fetchall())
         return out
 
     def set_cursor(self, path: str, offset: int) -> None:
@@ -420,13 +438,14 @@ class Ledger:
             self.update_task(exp_id, idx, checkpoint=str(step))
 
     def mark_checkpoint(self, exp_id: str, idx: int, step: int, state: CheckpointState) -> None:
-        self.db.execute(
-            "update checkpoints set state = ? where experiment_id = ? and idx = ? and step = ?",
-            [CheckpointState(state).value, exp_id, idx, step],
-        )
+        with self.tx():
+            self.conn.execute(
+                "update checkpoints set state = ? where experiment_id = ? and idx = ? and step = ?",
+                [CheckpointState(state).value, exp_id, idx, step],
+            )
 
     def checkpoints(self, exp_id: str, idx: int) -> list[dict]:
-        return list(self.db["checkpoints"].rows_where("experiment_id = ? and idx = ?", [exp_id, idx], order_by="step"))
+        return self._select("checkpoints", "experiment_id = ? and idx = ?", [exp_id, idx], order_by="step")
 
     # ------------------------------------------------------------ leases and recovery actions
 
@@ -434,26 +453,26 @@ class Ledger:
         """Take or renew the lease ``name`` for ``owner``; False while another owner's is live."""
         now = self.clock()
         with self.tx():
-            row = self.db.execute("select owner, expires_at from leases where name = ?", [name]).fetchone()
+            row = self.conn.execute("select owner, expires_at from leases where name = ?", [name]).fetchone()
             if row and row[0] != owner and row[1] > now:
                 return False
             acquired = now if not row or row[0] != owner else None
             fields = {"name": name, "owner": owner, "expires_at": now + ttl_s}
             if acquired is not None:
                 fields["acquired_at"] = acquired
-            self.db["leases"].upsert(fields, pk="name")
+            self._upsert_many("leases", [fields], ("name",))
             return True
 
     def release_lease(self, name: str, owner: str) -> None:
         with self.tx():
-            self.db.execute("delete from leases where name = ? and owner = ?", [name, owner])
+            self.conn.execute("delete from leases where name = ? and owner = ?", [name, owner])
 
     def release_leases(self, owner: str) -> None:
         with self.tx():
-            self.db.execute("delete from leases where owner = ?", [owner])
+            self.conn.execute("delete from leases where owner = ?", [owner])
 
     def lease(self, name: str) -> dict | None:
-        rows = list(self.db["leases"].rows_where("name = ? and expires_at > ?", [name, self.clock()]))
+        rows = self._select("leases", "name = ? and expires_at > ?", [name, self.clock()])
         return rows[0] if rows else None
 
     def plan_action(self, exp_id: str, idx: int, attempt: int, kind: str, detail: dict, cause: str, topic: str = "recovery") -> bool:
@@ -488,13 +507,13 @@ class Ledger:
     def drop_action(self, exp_id: str, idx: int, attempt: int, cause: str, topic: str = "recovery") -> None:
         """A planned action that was never taken (the scheduler has no trace of it): gone, so it can be planned anew."""
         with self.tx():
-            row = self.db["actions"].get((exp_id, idx, attempt))
+            row = self._get("actions", "experiment_id = ? and idx = ? and attempt = ?", [exp_id, idx, attempt])
             self.db["actions"].delete((exp_id, idx, attempt))
             self.event(exp_id, f"{topic}.{row['kind']}.dropped", cause, idx=idx, attempt=attempt or None)
 
     def finish_action(self, exp_id: str, idx: int, attempt: int, detail: dict, cause: str, topic: str = "recovery") -> None:
         with self.tx():
-            row = self.db["actions"].get((exp_id, idx, attempt))
+            row = self._get("actions", "experiment_id = ? and idx = ? and attempt = ?", [exp_id, idx, attempt])
             merged = {**json.loads(row["detail"] or "{}"), **detail}
             self.db["actions"].update(
                 (exp_id, idx, attempt), {"state": ActionState.DONE.value, "detail": json.dumps(merged, sort_keys=True), "done_at": self.clock()}
@@ -509,10 +528,10 @@ class Ledger:
         if state is not None:
             where.append("state = ?")
             args.append(ActionState(state).value)
-        rows = list(self.db["actions"].rows_where(" and ".join(where), args, order_by="idx, attempt"))
+        rows = self._select("actions", " and ".join(where), args, order_by="idx, attempt")
         for r in rows:
             r["detail"] = json.loads(r["detail"] or "{}")
         return rows
 
     def events(self, exp_id: str) -> list[dict]:
-        return list(self.db["events"].rows_where("experiment_id = ?", [exp_id], order_by="id"))
+        return self._select("events", "experiment_id = ?", [exp_id], order_by="id")

@@ -234,6 +234,10 @@ def ingest_all(ledger: Ledger, live: list[LiveTask]) -> dict[tuple[str, int], li
                 if rows >= STORE_ROWS:  # a watcher catching up after hours holds a bounded share in memory
                     failed |= _store(ledger, [*pending, (item, batches)])
                     pending, batches, rows = [], [], 0
+                    if (exp_id, idx) in failed:
+                        break  # its rows were not stored: read no further past them (the next cycle reads them again)
+            if (exp_id, idx) in failed:
+                continue
             launches = read_launches(tdir, problems)
             with ledger.savepoint():
                 badrecords.report(ledger, exp_id, idx, tdir, problems)
@@ -271,11 +275,17 @@ def _store(ledger: Ledger, pending: list[tuple[LiveTask, list]]) -> set[tuple[st
 
 
 def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
-    """A read command's refresh: of the experiments no watcher on another host keeps current.
-    On a ledger other hosts see (a watcher in a SLURM job), that watcher is the one writer:
-    a login node refreshing at the same time would be a second host writing SQLite over the
-    network filesystem."""
-    refresh(ledger, not_watched_elsewhere(ledger, experiments))
+    """A read command's refresh: of the experiments no live watcher keeps current. A
+    watcher ingests every cycle (5 s), so a reader refreshing too would only wait for its
+    write lock and ask SLURM a second time; and on a ledger other hosts see (a watcher in
+    a SLURM job) that watcher must be the one writer: a login node refreshing at the same
+    time would be a second host writing SQLite over the network filesystem."""
+    refresh(ledger, [e for e in experiments if ledger.lease(lease_name(e["id"])) is None])
+
+
+def lease_name(exp_id: str) -> str:
+    """The name of the lease the watcher of an experiment holds."""
+    return f"watch:{exp_id}"
 
 
 def not_watched_elsewhere(ledger: Ledger, experiments: list[dict]) -> list[dict]:
@@ -287,7 +297,7 @@ def not_watched_elsewhere(ledger: Ledger, experiments: list[dict]) -> list[dict]
 
 
 def _watched_elsewhere(ledger: Ledger, exp_id: str, here: str) -> bool:
-    lease = ledger.lease(f"watch:{exp_id}")
+    lease = ledger.lease(lease_name(exp_id))
     return lease is not None and str(lease["owner"]).split(":", 1)[0] != here
 
 

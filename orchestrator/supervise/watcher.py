@@ -48,8 +48,7 @@ def _fault_point(name: str) -> None:
 POLL_MAX_S = 60.0  # the longest the watcher goes without asking SLURM while every job runs or waits quietly
 
 
-def lease_name(exp_id: str) -> str:
-    return f"watch:{exp_id}"
+lease_name = refresh.lease_name
 
 
 ALL_LEASE = "watch:*"  # held by a watcher of every live experiment, new ones included
@@ -118,6 +117,8 @@ class Watcher:
         self._refused: set[str] = set()
         self._unreachable: set[str] = set()  # experiments told that the scheduler does not answer
         self._hold_refused: set[tuple] = set()  # requeued jobs whose hold SLURM would not let us release
+        self._configs: dict[str, tuple] = {}  # task folder -> (task.json's stat, its TaskConfig)
+        self._renewed: dict[str, float] = {}  # experiment -> when its lease was last renewed (monotonic)
         self.pacer = refresh.PollPacer(interval_s, POLL_MAX_S)  # light on the controller while nothing happens
 
     def scheduler(self, name: str):
@@ -154,6 +155,7 @@ class Watcher:
             waiting: list[int] = []
             for task in self.ledger.tasks(exp["id"]):
                 if TaskState(task["state"]).terminal:
+                    self._configs.pop(task["task_dir"], None)  # a watcher of every experiment runs for weeks
                     continue
                 attempts = self.ledger.attempts(exp["id"], task["idx"])
                 if not attempts:
@@ -161,7 +163,7 @@ class Watcher:
                     continue
                 cfg = self._task_config(exp, task)
                 attempt = attempts[-1]
-                if not self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
+                if not self._still_held(exp):
                     break  # a slow cycle outlived the lease and another watcher took over: it acts now
                 try:
                     self._finish_planned(exp, task, attempts, observations)
@@ -182,7 +184,7 @@ class Watcher:
             waiting = waiting if waiting and polled and self.ledger.has_event_of_kind(exp["id"], QUEUE_WAITING) else []
             planned = self._submissions_planned(exp)
             if (waiting or planned) and observations is not None \
-                    and self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
+                    and self._still_held(exp):
                 try:
                     self._queue_waiting(exp, waiting, planned)
                 except SchedulerError as exc:
@@ -199,10 +201,22 @@ class Watcher:
         if not self.ledger.has_event(exp["id"], "watcher.failed", cause, idx=task["idx"]):
             self.ledger.event(exp["id"], "watcher.failed", cause, idx=task["idx"])
 
+    def _still_held(self, exp: dict) -> bool:
+        """Whether this watcher still holds the experiment's lease, renewed when a quarter of
+        its time is gone: never taken over meanwhile, and not a write per task per cycle."""
+        now = self.ledger.clock()  # the lease's own clock (a paused VM's monotonic clock would stand still)
+        if 0 <= now - self._renewed.get(exp["id"], -1e18) < self._ttl() / 4:
+            return True
+        if not self.ledger.acquire_lease(lease_name(exp["id"]), self.owner, self._ttl()):
+            return False
+        self._renewed[exp["id"]] = now
+        return True
+
     def _lease(self, exp: dict) -> bool:
         name = lease_name(exp["id"])
         before = self.ledger.lease(name)
-        if not self.ledger.acquire_lease(name, self.owner, self._ttl()):
+        self._renewed.pop(exp["id"], None)
+        if not self._still_held(exp):
             if exp["id"] not in self._refused:
                 self._refused.add(exp["id"])
                 log.warning("%s is watched by %s; this watcher only records", exp["id"], before["owner"] if before else "another watcher")
@@ -222,12 +236,24 @@ class Watcher:
             return {}
 
     def _task_config(self, exp: dict, task: dict) -> TaskConfig:
-        """The task's own settings; the spec's defaults when task.json cannot be read."""
+        """The task's own settings; the spec's defaults when task.json cannot be read. Read
+        again only when the file changed (every task, every cycle: a thousand parses)."""
         try:
-            return TaskConfig.load(task["task_dir"])
+            st = os.stat(contract.task_config_path(task["task_dir"]))
+            seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except (OSError, TypeError, ValueError):
+            seen = None
+        cached = self._configs.get(task["task_dir"])
+        if seen is not None and cached is not None and cached[0] == seen:
+            return cached[1]
+        try:
+            cfg = TaskConfig.load(task["task_dir"])
         except (TaskConfigError, TypeError, ValueError, AttributeError) as exc:  # a damaged task.json too
             log.warning("%s task %s: %s; using the default retry and heartbeat settings", exp["id"], task["idx"], cut(str(exc), 200))
             return TaskConfig(experiment_id=exp["id"], index=task["idx"], task_dir=task["task_dir"], steps=0)
+        if seen is not None:
+            self._configs[task["task_dir"]] = (seen, cfg)
+        return cfg
 
     # ------------------------------------------------------------ hangs
 
