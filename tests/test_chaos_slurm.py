@@ -101,6 +101,9 @@ def test_a_killed_rank_is_restarted_in_place_skipping_a_corrupted_newest_checkpo
     resumed = [e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.resumed"]
     assert resumed and resumed[0].startswith(f"resumed from step {step - 100} "), resumed
     assert any(newest.name in e["cause"] for e in ledger.events(exp_id) if e["kind"] == "checkpoint.skipped"), kinds(ledger, exp_id)
+    for rank in (0, 1):  # the restarted ranks were the standbys their agents kept warm, imports done
+        headers = [line for line in contract.log_path(tdir, rank).read_text().splitlines() if " generation 1 rank " in line]
+        assert len(headers) == 1 and headers[0].endswith(" (warm standby) ==="), headers
     first_step = min(m["time"] for m in metrics(tdir) if m.get("generation") == 1)
     with capsys.disabled():
         print(f"\n[chaos] kill -9 of rank 1 -> first step of the restarted ranks: {first_step - killed_at:.1f} s "

@@ -21,6 +21,7 @@ from orchestrator.contract.generations import STOP_BARRIER_S  # for every node t
 from orchestrator.contract.trackers import tracker_env
 
 from train_entry.agent.liveness import Liveness
+from train_entry.agent.standby import START_AFTER_S, WORKER, Standbys
 from train_entry.env import NodeContext
 
 TERM_GRACE_S = 10.0
@@ -119,8 +120,10 @@ class Generation:
     """
 
     def __init__(self, cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: Path, launch: str, generation: int,
-                 addr: str, port: int, flags: Flags):
+                 addr: str, port: int, flags: Flags, standbys: Standbys | None = None):
         self.cfg, self.ctx, self.tdir, self.ldir, self.launch = cfg, ctx, tdir, ldir, launch
+        self.standbys = standbys  # warm processes for this generation's ranks, and the next one's to start
+        self.standbys_started = False
         self.generation, self.addr, self.port, self.flags = generation, addr, port, flags
         self.per_node = cfg.resources.tasks_per_node
         self.end_path = contract.generation_end_path(ldir, generation)
@@ -152,12 +155,19 @@ class Generation:
             rank = self.ctx.node_rank * self.per_node + local_rank
             lpath = contract.log_path(self.tdir, rank)
             lpath.parent.mkdir(parents=True, exist_ok=True)
+            warm = self.standbys is not None and argv[1:3] == ["-m", WORKER] and self.standbys.ready(local_rank)
             with open(lpath, "a", encoding="utf-8") as fh:
                 fh.write(f"=== launch {self.launch} generation {self.generation} rank {rank} on {self.ctx.node_name} "
-                         f"at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+                         f"at {time.strftime('%Y-%m-%d %H:%M:%S')}{' (warm standby)' if warm else ''} ===\n")
                 fh.flush()
                 env = worker_env(dict(os.environ), self.cfg, self.ctx, local_rank, self.addr, self.port, self.launch)
                 env[envvars.GENERATION] = str(self.generation)
+                if warm and (proc := self.standbys.take(local_rank, env, argv[3:])) is not None:
+                    self.procs[rank] = proc  # a restart: the standby runs as this rank, its imports done
+                    continue
+                if warm:
+                    fh.write("orchestrate agent: the warm standby would not take its order; starting this rank from nothing\n")
+                    fh.flush()
                 try:
                     # a command's rank leads its own session: stopping reaches its children
                     # (a wrapper's, DataLoader workers) through its process group
@@ -171,9 +181,35 @@ class Generation:
                 self.liveness.started(rank, local_rank, self.procs[rank].pid)
         self.codes = {r: None for r in self.procs}
 
+    def _start_standbys(self, started: float) -> None:
+        """The next generation's ranks, warm, once this one's are past their own start-up:
+        once, while it trains undisturbed and a restart in place may still come. Never
+        fatal: a rank without a standby starts from nothing."""
+        if self.standbys is None or self.standbys_started or time.time() - started < START_AFTER_S:
+            return
+        self.standbys_started = True
+        if self.generation >= self.cfg.retry.max_restarts or self.cancelled or self.first_failed is not None or self.flags.signals:
+            return
+        try:
+            self._spawn_standbys()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: never the launch's end
+            print(f"orchestrate agent: no warm standby ranks ({type(exc).__name__}: {exc}); a restart starts them from nothing",
+                  file=sys.stderr)
+
+    def _spawn_standbys(self) -> None:
+        base = self.ctx.node_rank * self.per_node
+
+        def env_of(local_rank: int) -> dict:
+            env = worker_env(dict(os.environ), self.cfg, self.ctx, local_rank, self.addr, self.port, self.launch)
+            env[envvars.GENERATION] = str(self.generation + 1)
+            return env
+        self.standbys.ensure(env_of, lambda local_rank: contract.log_path(self.tdir, base + local_rank))
+
     def run(self) -> Result | None:
         self.start()
+        started = time.time()
         while any(c is None for c in self.codes.values()) or (self.killed_at and not self.cancelled):
+            self._start_standbys(started)
             self._take_signals()
             self._poll()
             if not self.cancelled and self.end_path.exists():  # another node, or the watcher, ended this generation

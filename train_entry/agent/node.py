@@ -13,6 +13,7 @@ from orchestrator.contract import ExitCode, perms
 
 from train_entry.agent.generation import Flags, Generation, Result
 from train_entry.agent.requeue import requeue
+from train_entry.agent.standby import Standbys
 from train_entry.env import NodeContext, node_context, rendezvous
 
 RESTART_BACKOFF_MAX_S = 30.0
@@ -67,6 +68,16 @@ def _generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: P
                  started: float) -> tuple[int, Result | None]:
     """Start the ranks again in place after each failure the end record says to restart
     from; the last generation and how it ended (None: no rendezvous point)."""
+    standbys = Standbys.wanted(cfg.model, cfg.engine, cfg.resources.tasks_per_node)
+    try:
+        return _run_generations(cfg, ctx, tdir, ldir, launch, flags, started, standbys)
+    finally:
+        if standbys is not None:
+            standbys.close()
+
+
+def _run_generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: Path, launch: str, flags: Flags,
+                     started: float, standbys: Standbys | None) -> tuple[int, Result | None]:
     generation = 0
     while True:
         try:
@@ -87,7 +98,7 @@ def _generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: P
                     "time": started,
                 },
             )
-        result = Generation(cfg, ctx, tdir, ldir, launch, generation, addr, port, flags).run()
+        result = Generation(cfg, ctx, tdir, ldir, launch, generation, addr, port, flags, standbys).run()
         if result is not None:
             return generation, result
         # restarted in place: every node stopped its ranks
