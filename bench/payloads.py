@@ -1,6 +1,8 @@
-"""The payload every tool runs in bench/submission.py: a process that waits until the
-benchmark tells its array task to finish (exit 0) or fail (exit 1), and writes when
-it exited. ``python bench/payloads.py`` (sbatch, orchestrate) or ``sleeper(i)`` (submitit)."""
+"""The payloads of the SLURM benchmarks. bench/submission.py: a process that waits until
+the benchmark tells its array task to finish (exit 0) or fail (exit 1), and writes when
+it exited; ``python bench/payloads.py`` (sbatch, orchestrate) or ``sleeper(i)``
+(submitit). bench/thousand.py: ``python bench/payloads.py short``, a task that sleeps
+BENCH_SHORT_S seconds and ends."""
 
 from __future__ import annotations
 
@@ -29,4 +31,7 @@ def sleeper(index: int | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["short"]:
+        time.sleep(float(os.environ.get("BENCH_SHORT_S", "2")))
+        sys.exit(0)
     sys.exit(sleeper())

@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,faults,consolidate,checkpoint_save,overhead,ledger,hf_trainer]
+    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,hf_trainer]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -26,6 +26,7 @@ from bench.common import REPO, machine, python  # noqa: E402
 BENCHES = {
     "submission": ("Submission and controller load (local SLURM cluster)", ["--tasks", "100", "--repeats", "2", "--window", "45"],
                    ["--tasks", "10", "--repeats", "1", "--window", "15"]),
+    "thousand": ("A thousand tasks (local SLURM cluster)", ["--tasks", "1000", "--small", "250"], ["--tasks", "40", "--small", "10"]),
     "faults": ("Recovery, hangs and preemption (local SLURM cluster)", ["--repeats", "3", "--hangs", "5"],
                ["--repeats", "1", "--hangs", "2"]),
     "consolidate": ("Consolidating sharded checkpoints into full weights", ["--model-gb", "1.0", "--repeats", "2"],

@@ -121,9 +121,10 @@ def _hash_share(folder: Path, names: list[str], rank: int, world: int, progress:
     return out
 
 
-def _slow_filesystem(folder: Path, seconds: float) -> None:
-    """Benchmarks: a save that takes ``seconds`` more, writing all along (a slow filesystem)."""
-    filler = folder / ".slow-filesystem"
+def _slow_filesystem(folder: Path, seconds: float, rank: int) -> None:
+    """Benchmarks: a save that takes ``seconds`` more, writing all along (a slow filesystem).
+    One file per rank: with a shared one, the rank removing it second failed."""
+    filler = folder / f".slow-filesystem-{rank}"
     end = time.time() + seconds
     with open(filler, "ab") as fh:
         while time.time() < end:
@@ -212,7 +213,7 @@ class Checkpointer:
         future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
         self._progress()
         if slow := float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0):
-            _slow_filesystem(tmp, slow)
+            _slow_filesystem(tmp, slow, self.rank)
         blocked = time.perf_counter() - t0
         self.last_save_time = time.time()
         if future is not None:
