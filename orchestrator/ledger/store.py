@@ -410,8 +410,7 @@ class Ledger:
         return self._select("metrics", "experiment_id = ? and idx = ?", [exp_id, idx], order_by="step")
 
     def cursor(self, path: str) -> int:
-        row = self.conn.execute("select offset from cursors where path = ?", [path]).fetchone()
-        return row[0] if row else 0
+        return self.cursors([path]).get(path, 0)
 
     def cursors(self, paths: list[str]) -> dict[str, int]:
         """The read positions of ``paths`` that are set (one query per 500)."""

@@ -21,7 +21,8 @@ from orchestrator.contract.generations import STOP_BARRIER_S  # for every node t
 from orchestrator.contract.trackers import tracker_env
 
 from train_entry.agent.liveness import Liveness
-from train_entry.agent.standby import START_AFTER_S, WORKER, Standbys
+from train_entry.agent.standby import START_AFTER_S, Standbys
+from train_entry.warm_rank import WORKER
 from train_entry.env import NodeContext
 
 TERM_GRACE_S = 10.0
@@ -150,7 +151,7 @@ class Generation:
         elif self.command:
             argv, cwd = command_argv(self.cfg.model), self.cfg.model.get("cwd")
         else:
-            argv = [sys.executable, "-m", "train_entry.worker", str(self.tdir)]
+            argv = [sys.executable, "-m", WORKER, str(self.tdir)]
         for local_rank in range(self.per_node):
             rank = self.ctx.node_rank * self.per_node + local_rank
             lpath = contract.log_path(self.tdir, rank)
