@@ -95,6 +95,11 @@ def build(session: RankSession, device):
     torch.manual_seed(cfg.seed * 7919 + ctx.rank)  # per-rank dropout streams
     step = 0
     if resume.folder is not None:
+        from train_entry.data import Sampler
+
+        sampler = Sampler(len(workload.dataset), cfg.seed, cfg.batch.micro_batch_size, 1, ctx.world_size, ctx.rank)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # its dropout draws nothing
+            engine.settle(*sampler.batch(workload.dataset, 0, 0, device), workload.loss)
         t0 = time.time()
         ckpt.load(resume)
         resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0

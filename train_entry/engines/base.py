@@ -30,6 +30,10 @@ class Engine:
     def optimizer_step(self, lr: float) -> None:
         raise NotImplementedError
 
+    def settle(self, inputs: Any, targets: Any, loss_fn: Callable) -> None:
+        """Collective, before a resumed run loads its state: bring the engine to the layout an
+        uninterrupted run has after its first step (a no-op where the layout never changes)."""
+
     state_format: str
 
     def save_state(self, folder, asynchronous: bool = False):

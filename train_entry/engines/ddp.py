@@ -39,3 +39,13 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
                 loss = loss_fn(forward(self.model, inputs), targets)
             (loss / accum).backward()
         return loss.detach().float()
+
+    def settle(self, inputs, targets, loss_fn) -> None:
+        # DDP lays its gradient buckets out again after the first backward, in the order the
+        # gradients came. An all-reduce sums each element in an order set by its place in the
+        # bucket (the ring's chunks), so a resumed run's first step, made with the first
+        # layout, would round differently from the uninterrupted run's (one ulp, more ranks
+        # than two). One discarded backward gives the layout; the load then overwrites the
+        # weights, buffers and random states it touched.
+        self.micro_step(inputs, targets, loss_fn, accum=1, last=True)
+        self.optimizer.zero_grad(set_to_none=True)
