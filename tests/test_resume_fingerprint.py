@@ -69,6 +69,9 @@ def test_compare_names_what_differs_and_ignores_rounding():
     with torch.no_grad():
         model[1].bias.add_(1e-3)
     assert fingerprint.mismatched(before, fingerprint.compute(model)) == ["0.weight", "1.bias"]
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")  # NaN compares false with anything: it must still differ
+    assert fingerprint.mismatched(before, fingerprint.compute(model)) == ["0.weight", "1.bias", "1.weight"]
     assert fingerprint.compare({"method": "other"}, before) == "the checkpoint's fingerprint is not one this version reads"
 
 

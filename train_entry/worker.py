@@ -95,12 +95,8 @@ def build(session: RankSession, device):
     torch.manual_seed(cfg.seed * 7919 + ctx.rank)  # per-rank dropout streams
     step = 0
     if resume.folder is not None:
-        from train_entry.data import Sampler
-
-        sampler = Sampler(len(workload.dataset), cfg.seed, cfg.batch.micro_batch_size, 1, ctx.world_size, ctx.rank)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # its dropout draws nothing
-            engine.settle(*sampler.batch(workload.dataset, 0, 0, device), workload.loss)
         t0 = time.time()
+        settle(engine, workload, session, device)
         ckpt.load(resume)
         resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0
         step = ckpt.committed_step = resume.step
@@ -110,6 +106,27 @@ def build(session: RankSession, device):
             inject_reinit(engine.model, reinit)
     resume.report(session.hb)
     return ckpt, workload, engine, step, resume
+
+
+def settle(engine, workload, session: RankSession, device) -> None:
+    """Collective: ``engine.settle`` on the first micro-batch, leaving the model's buffers and
+    every random stream as they were (the load restores only what the checkpoint holds)."""
+    import random
+
+    import torch
+
+    from train_entry.data import Sampler
+
+    cfg, ctx = session.cfg, session.ctx
+    sampler = Sampler(len(workload.dataset), cfg.seed, cfg.batch.micro_batch_size, 1, ctx.world_size, ctx.rank)
+    buffers = {name: b.detach().clone() for name, b in engine.model.named_buffers()}
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        engine.settle(*sampler.batch(workload.dataset, 0, 0, device), workload.loss)
+    random.setstate(state)
+    with torch.no_grad():
+        for name, b in engine.model.named_buffers():
+            b.copy_(buffers[name])
 
 
 class Loop:

@@ -45,7 +45,7 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
         # gradients came. An all-reduce sums each element in an order set by its place in the
         # bucket (the ring's chunks), so a resumed run's first step, made with the first
         # layout, would round differently from the uninterrupted run's (one ulp, more ranks
-        # than two). One discarded backward gives the layout; the load then overwrites the
-        # weights, buffers and random states it touched.
+        # than two). One discarded backward gives the layout: no optimizer step, gradients
+        # dropped (worker.settle keeps buffers and random streams as they were).
         self.micro_step(inputs, targets, loss_fn, accum=1, last=True)
         self.optimizer.zero_grad(set_to_none=True)
