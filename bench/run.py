@@ -31,7 +31,7 @@ BENCHES = {
                ["--repeats", "1", "--hangs", "2"]),
     "consolidate": ("Consolidating sharded checkpoints into full weights", ["--model-gb", "1.0", "--repeats", "2"],
                     ["--model-gb", "0.1", "--repeats", "1"]),
-    "checkpoint_save": ("Checkpoint save", ["--model-gb", "0.5", "--repeats", "3"], ["--model-gb", "0.05", "--repeats", "1"]),
+    "checkpoint_save": ("Checkpoint save", ["--model-gb", "0.5", "--repeats", "5"], ["--model-gb", "0.05", "--repeats", "1"]),
     "overhead": ("Orchestration overhead on the step time", ["--steps", "300", "--repeats", "3", "--sizes", "1"],
                  ["--steps", "60", "--repeats", "1", "--sizes", "1"]),
     "ledger": ("The ledger", ["--tasks", "10000", "--repeats", "2"], ["--tasks", "500", "--repeats", "1"]),

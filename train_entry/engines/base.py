@@ -62,6 +62,7 @@ class DCPState:
 
     state_format = "dcp"
     _async_group = None
+    _stager = None
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -73,11 +74,15 @@ class DCPState:
             model_sd = {k: v for k, v in model_sd.items() if k in keep}
         return {"model": model_sd, "optim": optim_sd}
 
+    def _share(self, state: dict) -> dict:
+        """What this rank writes of ``state`` (engines whose ranks hold replicas write a share)."""
+        return state
+
     def save_state(self, folder, asynchronous: bool = False):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        state, target = self._state(), str(folder / "dcp")
+        state, target = self._share(self._state()), str(folder / "dcp")
         # no fsync per file inside DCP: the commit has every rank flush every file while the
         # ranks hash them (checkpoint._hash_share), so the disk's flush and the hashing overlap
         writer = dcp.FileSystemWriter(target, sync_files=False)
@@ -86,10 +91,17 @@ class DCPState:
             return None
         if DCPState._async_group is None:  # the background writer must not share the training group
             DCPState._async_group = dist.new_group(backend="gloo")
-        # async_save stages (copies) the state before it returns: that copy is the snapshot
-        # the thread writes while training goes on updating the weights; one more of our own
-        # doubled the time training waits (bench/checkpoint_save.py)
-        return dcp.async_save(state, storage_writer=writer, process_group=DCPState._async_group)
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self.device.type == "cuda"
+            # kept for the run: it reuses its copies (pinned on a GPU node) from one save to the
+            # next, where fresh ones cost page faults on every save
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        # staging copies the state before async_save returns: that copy is the snapshot the
+        # thread writes while training goes on updating the weights
+        return dcp.async_save(state, storage_writer=writer, process_group=DCPState._async_group, async_stager=self._stager)
 
     def load_state(self, folder, same_world: bool) -> None:
         import torch.distributed.checkpoint as dcp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator import contract
@@ -39,6 +40,27 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
                 loss = loss_fn(forward(self.model, inputs), targets)
             (loss / accum).backward()
         return loss.detach().float()
+
+    def _share(self, state: dict) -> dict:
+        # every rank holds the whole state: each writes (and, when asynchronous, copies) only
+        # its share, whole tensors balanced by size, the same split on every rank; DCP's
+        # metadata is the union, so any rank loads any of it
+        model, optim = state["model"], state["optim"]
+        units = [(("model", k), v.numel() * v.element_size()) for k, v in model.items() if isinstance(v, torch.Tensor)]
+        units += [(("optim", k), sum(t.numel() * t.element_size() for t in v.values() if isinstance(t, torch.Tensor)))
+                  for k, v in optim.get("state", {}).items()]
+        load = [0] * dist.get_world_size()
+        mine = set()
+        for unit, size in sorted(units, key=lambda u: (-u[1], u[0])):
+            r = load.index(min(load))
+            load[r] += size
+            if r == dist.get_rank():
+                mine.add(unit)
+        share = {
+            "model": {k: v for k, v in model.items() if ("model", k) in mine or not isinstance(v, torch.Tensor)},
+            "optim": {**optim, "state": {k: v for k, v in optim.get("state", {}).items() if ("optim", k) in mine}},
+        }
+        return share
 
     def settle(self, inputs, targets, loss_fn) -> None:
         # DDP lays its gradient buckets out again after the first backward, in the order the
