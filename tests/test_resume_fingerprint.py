@@ -91,12 +91,23 @@ def fingerprint_of(tmp_path, kind: str, world: int) -> dict:
 @pytest.mark.multiproc
 def test_the_fingerprint_is_the_same_on_every_world_size_and_engine(tmp_path):
     one = fingerprint_of(tmp_path, "plain", 1)
-    for kind in ("fsdp", "zero2", "zero3"):  # FSDP2 shards by rows (97 of them: unequal), ZeRO-3 by flat offset
+    # FSDP2 shards by rows (97 of them: unequal), ZeRO-3 by flat offset; DDP's replicas split by
+    # slices, and an async DDP save's copy by whole tensors (each counted once over the ranks)
+    for kind in ("fsdp", "zero2", "zero3", "ddp", "ddp-copy"):
         got = fingerprint_of(tmp_path, kind, 2)
         assert fingerprint.compare(one, got) is None, kind
         for name, (w, sq, ab, n) in one["params"].items():
             g = got["params"][name]
             assert g[3] == n and abs(g[0] - w) <= 1e-12 * ab and abs(g[1] - sq) <= 1e-12 * sq, (kind, name, g, one["params"][name])
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_fails_its_part_of_the_fingerprint_leaves_no_rank_waiting(tmp_path):
+    out = tmp_path / "ddp-fail-2.json"
+    with pytest.raises(FileNotFoundError):
+        fingerprint_of(tmp_path, "ddp-fail", 2)  # rank 0 writes no fingerprint: both raised
+    assert [(tmp_path / f"ddp-fail-2.json.{r}").read_text() for r in range(2)] == ["raised", "raised"]
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------- the check at resume

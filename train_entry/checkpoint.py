@@ -147,6 +147,46 @@ def _stall(step: int, rank: int) -> None:
             time.sleep(60)
 
 
+_FROM_COPY = "_fingerprint_from_copy"  # in a pending save's meta: the fingerprint still being taken
+
+
+class _CopyFingerprint:
+    """The fingerprint of an asynchronous save, taken from the copy its writer writes, on a
+    thread of its own while training goes on; ``result`` (collective) adds up the ranks'."""
+
+    def __init__(self, engine, names: list[tuple[str, int]]):
+        self.names = names
+        self.copy = engine.snapshot()
+        self.box: list = []
+        self.thread = threading.Thread(target=self._run, name="checkpoint-fingerprint", daemon=True)
+        self.t0 = time.perf_counter()
+        self.thread.start()
+
+    def _run(self) -> None:
+        from train_entry import fingerprint
+
+        try:
+            self.box.append(fingerprint.partial(self.copy or {}, self.names))
+        except BaseException as exc:  # raised again on the training thread, at the commit
+            self.box.append(exc)
+        self.seconds = time.perf_counter() - self.t0
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def result(self) -> dict:
+        from train_entry import fingerprint
+
+        self.thread.join()
+        sums = self.box[0]
+        if isinstance(sums, BaseException):  # every rank still joins the all-reduce, then all raise
+            try:
+                fingerprint.finish(torch.zeros(len(self.names), 4, dtype=torch.float64), self.names, failed=True)
+            finally:
+                raise sums
+        return {"fingerprint": fingerprint.finish(sums, self.names), "fingerprint_s": self.seconds}
+
+
 def gather(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -204,13 +244,27 @@ class Checkpointer:
         ``final``: the process exits next, so the save is synchronous whatever the policy."""
         self.finish_pending()
         t0 = time.perf_counter()
-        # of the weights being saved: an asynchronous write lets training change them before the commit
-        meta = {**meta, **self.fingerprint_of(self.engine.model)}
+        asynchronous = self.cfg.async_save and not final
+        # of the weights being saved: an asynchronous write lets training change them before the
+        # commit, so it is taken now, or from the write's own copy where the engine has one
+        from_copy = asynchronous and getattr(self.engine, "fingerprint_from_copy", False)
+        if not from_copy:
+            meta = {**meta, **self.fingerprint_of(self.engine.model)}
         self._progress()
         tmp = self.begin(step)
         self._progress()
         _stall(step, self.rank)
-        future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
+        future = self.engine.save_state(tmp, asynchronous=asynchronous)
+        if from_copy:
+            from train_entry import fingerprint
+
+            # the copy must hold every trainable parameter under its name; else taken now, as
+            # for a synchronous save (the weights have not moved yet)
+            names = fingerprint.trainable(self.engine.model)
+            if future is not None and {n for n, _ in names} <= getattr(self.engine, "saved_model_keys", set()):
+                meta = {**meta, _FROM_COPY: _CopyFingerprint(self.engine, names)}
+            else:
+                meta = {**meta, **self.fingerprint_of(self.engine.model)}
         self._progress()
         if slow := float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0):
             _slow_filesystem(tmp, slow, self.rank)
@@ -235,10 +289,12 @@ class Checkpointer:
         return {"fingerprint": fp, "fingerprint_s": time.perf_counter() - t0}
 
     def poll_pending(self) -> dict | None:
-        """At a step boundary: commit an async save once every rank's write is done."""
+        """At a step boundary: commit an async save once every rank's write (and fingerprint) is done."""
         if self.pending is None:
             return None
-        done = torch.tensor([1 if self.pending[2].done() else 0], dtype=torch.int32)
+        copy_fp = self.pending[5].get(_FROM_COPY)
+        ready = self.pending[2].done() and (copy_fp is None or copy_fp.done())  # the write and its fingerprint
+        done = torch.tensor([1 if ready else 0], dtype=torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if not done.item():
             return None
@@ -259,6 +315,8 @@ class Checkpointer:
 
     def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict) -> dict:
         meta = dict(meta)
+        if _FROM_COPY in meta:
+            meta.update(meta.pop(_FROM_COPY).result())
         timing = {"fingerprint_s": meta.pop("fingerprint_s")} if "fingerprint_s" in meta else {}  # the event's, not the manifest's
         dist.barrier()  # every rank's shards are written
         names = _files(tmp) if self.rank == 0 else None

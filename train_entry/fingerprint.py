@@ -10,8 +10,10 @@ and ``sum(|x_i|)`` (the scale the tolerance is taken from). A rank adds up only 
 elements it holds — an FSDP2 shard (DTensor, by its global offset), a ZeRO-3 partition
 (by its flat offset), or its slice of a tensor every rank holds whole (a DDP or ZeRO-1/2
 replica; a DTensor of another layout, gathered first), so that the work is split — and the
-sums are all-reduced: any world size and any engine give
-the same numbers, up to float64 rounding.
+sums are all-reduced: any world size and any engine give the same numbers, up to float64
+rounding. An asynchronous DDP save takes them from the copy its writer writes instead, each
+rank summing the parameters whole in its share of it (``partial``, then ``finish`` at the
+commit).
 """
 
 from __future__ import annotations
@@ -105,6 +107,11 @@ def _numel(p: torch.Tensor) -> int:
     return int(getattr(p, "ds_numel", 0) or p.numel())
 
 
+def trainable(model: nn.Module) -> list[tuple[str, int]]:
+    """(name, number of elements) of the parameters a fingerprint covers, in its order."""
+    return [(n, _numel(p)) for n, p in sorted((clean(n), p) for n, p in model.named_parameters() if p.requires_grad)]
+
+
 def compute(model: nn.Module) -> dict:
     """Collective (every rank, same model): the fingerprint of ``model``'s trainable
     parameters, as JSON: ``{"method", "params": {name: [weighted, sum_sq, sum_abs, numel]}}``."""
@@ -116,12 +123,47 @@ def compute(model: nn.Module) -> dict:
     for i, (_, p) in enumerate(named):
         for offset, values in _pieces(p, rank, world):
             sums[i] += add_up(offset, values)
-    if distributed:
+    return finish(sums, [(n, _numel(p)) for n, p in named])
+
+
+def partial(tensors: dict, names: list[tuple[str, int]]) -> torch.Tensor:
+    """Not collective: the sums of the parameters whole in ``tensors`` (a rank's share of a
+    snapshot, by name), with a fourth column counting them; zeros for the others.
+    ``finish`` adds up every rank's."""
+    sums = torch.zeros(len(names), 4, dtype=torch.float64)
+    add_up = _Sums()
+    for i, (name, numel) in enumerate(names):
+        t = tensors.get(name)
+        if isinstance(t, torch.Tensor) and t.numel() == numel:
+            sums[i, :3] = add_up(0, t.detach().reshape(-1)) if numel else 0.0
+            sums[i, 3] = 1.0
+    return sums
+
+
+class Incomplete(RuntimeError):
+    """The ranks' partial sums did not cover every parameter exactly once, or a rank failed."""
+
+
+def finish(sums: torch.Tensor, names: list[tuple[str, int]], failed: bool = False) -> dict:
+    """Collective: every rank's sums added up, as the fingerprint's JSON. Sums from
+    ``partial`` (four columns) must count each parameter once over the ranks; ``failed``
+    (this rank could not make its sums) makes every rank raise ``Incomplete``, none left
+    waiting in the all-reduce."""
+    flag = torch.zeros(1, sums.shape[1], dtype=torch.float64)
+    flag[0, 0] = 1.0 if failed else 0.0
+    both = torch.cat([sums.to(torch.float64), flag])
+    if dist.is_available() and dist.is_initialized():
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl reduces device tensors only
-        moved = sums.to(device)
+        moved = both.to(device)
         dist.all_reduce(moved)
-        sums = moved.cpu()
-    return {"method": METHOD, "params": {n: [*map(float, sums[i].tolist()), _numel(p)] for i, (n, p) in enumerate(named)}}
+        both = moved.cpu()
+    sums, failures = both[:-1], int(both[-1, 0].item())
+    if failures:
+        raise Incomplete(f"{failures} rank(s) could not take their part of the fingerprint")
+    if sums.shape[1] == 4 and not bool((sums[:, 3] == 1.0).all()):
+        counted = {n: int(c) for (n, _), c in zip(names, sums[:, 3].tolist()) if c != 1.0}
+        raise Incomplete(f"parameters not counted exactly once over the ranks: {dict(list(counted.items())[:5])}")
+    return {"method": METHOD, "params": {n: [*map(float, sums[i, :3].tolist()), numel] for i, (n, numel) in enumerate(names)}}
 
 
 def _problems(expected: dict, got: dict, rtol: float) -> list[tuple[str, str]]:

@@ -1,8 +1,9 @@
 """A resume that proves itself: what a commit records, and the check after every load.
 
 At a commit the built-in trainer records in the manifest (besides the files):
-``fingerprint`` (``fingerprint.compute`` of the trainable parameters, taken at the save,
-before an asynchronous write lets training move on), ``loss`` (the step's loss, as logged)
+``fingerprint`` (of the trainable parameters as saved: ``fingerprint.compute`` before the
+write, or, for an asynchronous DDP save, ``fingerprint.partial`` of the copy its writer
+writes, on a thread while training moves on, added up at the commit), ``loss`` (the step's loss, as logged)
 and ``probe``: the loss of the NEXT step's first micro-batch on every rank, computed
 forward-only. The data is a pure function of (seed, step, micro-batch, rank) and the
 probe runs in the model's current train/eval mode under a forked RNG with the buffers put

@@ -92,16 +92,14 @@ class DCPState:
         if DCPState._async_group is None:  # the background writer must not share the training group
             DCPState._async_group = dist.new_group(backend="gloo")
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = self.device.type == "cuda"
-            # kept for the run: it reuses its copies (pinned on a GPU node) from one save to the
-            # next, where fresh ones cost page faults on every save
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            self._stager = _KeptStager(self.device.type == "cuda")
         # staging copies the state before async_save returns: that copy is the snapshot the
         # thread writes while training goes on updating the weights
         return dcp.async_save(state, storage_writer=writer, process_group=DCPState._async_group, async_stager=self._stager)
+
+    def snapshot(self) -> dict | None:
+        """The model's tensors in the copy the last asynchronous save writes (this rank's share)."""
+        return self._stager.staged.get("model") if self._stager is not None and self._stager.staged else None
 
     def load_state(self, folder, same_world: bool) -> None:
         import torch.distributed.checkpoint as dcp
@@ -116,6 +114,35 @@ class DCPState:
         dcp.load(state, storage_reader=safeload.SafeFileSystemReader(str(src)), planner=safeload.SafeLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=not self.trainable_only))
+
+
+class _KeptStager:
+    """DCP's staging, kept for the run: it reuses its copies (pinned on a GPU node) from one
+    save to the next, where fresh ones cost page faults at every save; and it keeps the
+    last copy, which the fingerprint of an asynchronous save is taken from."""
+
+    _synchronize_after_execute = False  # stage() returns once the copy is made
+
+    def __init__(self, cuda: bool):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.inner = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                  use_async_staging=False, use_non_blocking_copy=False))
+        self.staged: dict | None = None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        self.staged = self.inner.stage(state_dict)
+        return self.staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class TorchOptimizerStep:

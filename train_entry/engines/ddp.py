@@ -10,10 +10,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator import contract
 
+from train_entry.paramnames import clean
 from train_entry.engines.base import DCPState, Engine, TorchOptimizerStep, autocast, forward, make_optimizer
 
 
 class DDPEngine(DCPState, TorchOptimizerStep, Engine):
+    fingerprint_from_copy = True  # an async save's copy holds its share's tensors whole (_share)
+
     def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.precision = cfg.engine["precision"]
@@ -46,11 +49,14 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
         # its share, whole tensors balanced by size, the same split on every rank; DCP's
         # metadata is the union, so any rank loads any of it
         model, optim = state["model"], state["optim"]
-        units = [(("model", k), v.numel() * v.element_size()) for k, v in model.items() if isinstance(v, torch.Tensor)]
+        self.saved_model_keys = set(model)
+        # buffers (running statistics) from rank 0: DDP's next forward broadcasts rank 0's
+        buffers = {clean(n) for n, _ in self.model.named_buffers()}
+        mine = {("model", k) for k in model if k in buffers} if dist.get_rank() == 0 else set()
+        units = [(("model", k), v.numel() * v.element_size()) for k, v in model.items() if isinstance(v, torch.Tensor) and k not in buffers]
         units += [(("optim", k), sum(t.numel() * t.element_size() for t in v.values() if isinstance(t, torch.Tensor)))
                   for k, v in optim.get("state", {}).items()]
         load = [0] * dist.get_world_size()
-        mine = set()
         for unit, size in sorted(units, key=lambda u: (-u[1], u[0])):
             r = load.index(min(load))
             load[r] += size
