@@ -346,9 +346,15 @@ def test_accounting_down_for_the_rest_of_a_run_is_not_needed_and_triggers_no_req
 
 
 def test_a_job_that_left_the_queue_while_accounting_is_down_is_decided_only_once_accounting_answers(slurm, home, tmp_path, watchers):
-    exp_id, _ = start(home, tmp_path, watchers, "gonejob")
-    job = status_json(home, exp_id)["experiments"][0]["tasks"][0]["job_id"]
-    slurm_run("scontrol", "hold", job)  # it stays pending: nothing of it is on disk
+    # held while its partition takes no job, so it stays pending: nothing of it is on disk (a
+    # job held after it was submitted could start first: on idle nodes it does, within a second)
+    slurm_run("scontrol", "update", "PartitionName=debug", "State=DOWN")
+    try:
+        exp_id, _ = start(home, tmp_path, watchers, "gonejob")
+        job = status_json(home, exp_id)["experiments"][0]["tasks"][0]["job_id"]
+        slurm_run("scontrol", "hold", job)
+    finally:
+        slurm_run("scontrol", "update", "PartitionName=debug", "State=UP")
     ledger = Ledger.open(home / "ledger.db")
     ctl = [sys.executable, str(REPO / "scripts" / "slurm-local")]
     subprocess.run([*ctl, "accounting", "stop"], check=True, timeout=60, capture_output=True)
