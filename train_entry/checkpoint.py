@@ -244,27 +244,23 @@ class Checkpointer:
         ``final``: the process exits next, so the save is synchronous whatever the policy."""
         self.finish_pending()
         t0 = time.perf_counter()
-        asynchronous = self.cfg.async_save and not final
-        # of the weights being saved: an asynchronous write lets training change them before the
-        # commit, so it is taken now, or from the write's own copy where the engine has one
-        from_copy = asynchronous and getattr(self.engine, "fingerprint_from_copy", False)
-        if not from_copy:
-            meta = {**meta, **self.fingerprint_of(self.engine.model)}
         self._progress()
         tmp = self.begin(step)
         self._progress()
         _stall(step, self.rank)
-        future = self.engine.save_state(tmp, asynchronous=asynchronous)
-        if from_copy:
+        future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
+        # of the weights saved, before training moves on (an asynchronous write's copy is made by
+        # now): taken here, or from that copy on a thread where it holds every trainable
+        # parameter under its name (DDP's shares)
+        names = None
+        if future is not None and getattr(self.engine, "fingerprint_from_copy", False):
             from train_entry import fingerprint
 
-            # the copy must hold every trainable parameter under its name; else taken now, as
-            # for a synchronous save (the weights have not moved yet)
             names = fingerprint.trainable(self.engine.model)
-            if future is not None and {n for n, _ in names} <= getattr(self.engine, "saved_model_keys", set()):
-                meta = {**meta, _FROM_COPY: _CopyFingerprint(self.engine, names)}
-            else:
-                meta = {**meta, **self.fingerprint_of(self.engine.model)}
+        if names is not None and {n for n, _ in names} <= getattr(self.engine, "saved_model_keys", set()):
+            meta = {**meta, _FROM_COPY: _CopyFingerprint(self.engine, names)}
+        else:
+            meta = {**meta, **self.fingerprint_of(self.engine.model)}
         self._progress()
         if slow := float(os.environ.get(contract.envvars.FAULT_SLOW_SAVE_S) or 0):
             _slow_filesystem(tmp, slow, self.rank)

@@ -107,15 +107,20 @@ def _numel(p: torch.Tensor) -> int:
     return int(getattr(p, "ds_numel", 0) or p.numel())
 
 
+def _covered(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters a fingerprint covers (the trainable ones), by name, in its order."""
+    return sorted(((clean(n), p) for n, p in model.named_parameters() if p.requires_grad), key=lambda np: np[0])
+
+
 def trainable(model: nn.Module) -> list[tuple[str, int]]:
     """(name, number of elements) of the parameters a fingerprint covers, in its order."""
-    return [(n, _numel(p)) for n, p in sorted((clean(n), p) for n, p in model.named_parameters() if p.requires_grad)]
+    return [(n, _numel(p)) for n, p in _covered(model)]
 
 
 def compute(model: nn.Module) -> dict:
     """Collective (every rank, same model): the fingerprint of ``model``'s trainable
     parameters, as JSON: ``{"method", "params": {name: [weighted, sum_sq, sum_abs, numel]}}``."""
-    named = sorted((clean(n), p) for n, p in model.named_parameters() if p.requires_grad)
+    named = _covered(model)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     sums = torch.zeros(len(named), 3, dtype=torch.float64)

@@ -47,18 +47,21 @@ def _reduce_device() -> str:
 
 
 @contextmanager
-def _untouched(model: torch.nn.Module, device: torch.device):
-    """Nothing the probe does stays: torch's and Python's RNG streams (dropout, a dataset's
-    augmentation) forked, buffers (a BatchNorm's running statistics) copied back, no graph."""
+def untouched(model: torch.nn.Module, device: torch.device, grad: bool = False):
+    """Nothing done inside stays: torch's and Python's RNG streams (dropout, a dataset's
+    augmentation) forked, buffers (a BatchNorm's running statistics) copied back, and no
+    graph unless ``grad`` (the probe here; the DDP settle before a resume takes one)."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     py_state = random.getstate()
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []), torch.no_grad():
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []), \
+            torch.set_grad_enabled(grad):
         try:
             yield
         finally:
             random.setstate(py_state)
-            for b, saved in buffers:
-                b.copy_(saved)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
 
 
 def probe_loss(engine, inputs, targets, loss_fn) -> float:
@@ -87,7 +90,7 @@ def next_step_probe(engine, dataset, loss_fn, sampler, step: int, cfg: contract.
     """Collective, at a save of ``step``: every rank's loss on its first micro-batch of the
     step after it, as the resumed run will compute it (the batch is made inside the fork:
     a dataset that draws random numbers draws the same ones again)."""
-    with _untouched(engine.model, engine.device):
+    with untouched(engine.model, engine.device):
         inputs, targets = sampler.batch(dataset, step, 0, engine.device)
         loss = probe_loss(engine, inputs, targets, loss_fn)
     losses = [r[0] for r in _gather_floats([loss], 1)]
@@ -127,7 +130,7 @@ def reprobe(engine, dataset, loss_fn, folder: Path, probe: dict) -> list[float]:
         r = i * world + rank
         src = r if r < saved else rank % saved
         sampler = Sampler(probe["dataset_len"], probe["seed"], probe["micro_batch"], probe["grad_accum"], saved, src)
-        with _untouched(engine.model, engine.device):
+        with untouched(engine.model, engine.device):
             _saved_rng(folder, src, engine.device)
             inputs, targets = sampler.batch(dataset, probe["step"], 0, engine.device)
             loss = probe_loss(engine, inputs, targets, loss_fn)

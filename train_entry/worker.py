@@ -111,22 +111,13 @@ def build(session: RankSession, device):
 def settle(engine, workload, session: RankSession, device) -> None:
     """Collective: ``engine.settle`` on the first micro-batch, leaving the model's buffers and
     every random stream as they were (the load restores only what the checkpoint holds)."""
-    import random
-
-    import torch
-
     from train_entry.data import Sampler
+    from train_entry.resume_check import untouched
 
     cfg, ctx = session.cfg, session.ctx
     sampler = Sampler(len(workload.dataset), cfg.seed, cfg.batch.micro_batch_size, 1, ctx.world_size, ctx.rank)
-    buffers = {name: b.detach().clone() for name, b in engine.model.named_buffers()}
-    state = random.getstate()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with untouched(engine.model, device, grad=True):
         engine.settle(*sampler.batch(workload.dataset, 0, 0, device), workload.loss)
-    random.setstate(state)
-    with torch.no_grad():
-        for name, b in engine.model.named_buffers():
-            b.copy_(buffers[name])
 
 
 class Loop:

@@ -121,8 +121,6 @@ class _KeptStager:
     save to the next, where fresh ones cost page faults at every save; and it keeps the
     last copy, which the fingerprint of an asynchronous save is taken from."""
 
-    _synchronize_after_execute = False  # stage() returns once the copy is made
-
     def __init__(self, cuda: bool):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -132,7 +130,7 @@ class _KeptStager:
 
     @property
     def should_synchronize_after_execute(self) -> bool:
-        return False
+        return False  # stage() returns once the copy is made
 
     def stage(self, state_dict):
         self.staged = self.inner.stage(state_dict)
