@@ -78,3 +78,49 @@ def test_an_unknown_experiment_is_a_user_error(home, capsys):
     for argv in (["events", "nope"], ["logs", "nope"], ["cancel", "nope"]):
         assert main(argv) == 2
         assert capsys.readouterr().err.startswith("error: no experiment with id or name 'nope' (known names: light)")
+
+
+def _doc(n: int, reason: str = "") -> dict:
+    tasks = [{"index": i, "params": {"optimizer.lr": 10.0 ** -i}, "state": "RUNNING" if i % 2 else "COMPLETED", "attempts": 1,
+              "restarts": 0, "step": 10 * i, "loss": 1.0 / (i + 1), "eval_loss": None, "throughput": 1234.5,
+              "heartbeat_age_s": 3.0, "nodes": ["n1", "n2"], "checkpoint": "step-00000010", "reason": reason}
+             for i in range(n)]
+    return {"experiments": [{"name": "sweep", "id": "e1", "state": "RUNNING", "executor": "slurm", "watcher": None, "tasks": tasks}]}
+
+
+def _print(doc: dict, width: int) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.cli import render
+
+    out = io.StringIO()
+    Console(file=out, width=width).print(*render.status_tables(doc))
+    return out.getvalue().splitlines()
+
+
+def test_a_sweep_prints_one_aligned_line_per_task_cropped_at_the_terminal():
+    from orchestrator.cli import render
+
+    n = render.LINES_FROM
+    lines = _print(_doc(n, reason="\x1b[2J[bold]boom[/] " + "y" * 300), 120)
+    assert lines[0] == "sweep e1 RUNNING (slurm)"
+    head, rows, caption = lines[1], lines[2:2 + n], lines[2 + n:]
+    assert head.split() == ["task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "hb", "age", "nodes", "checkpoint", "reason"]
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(n)]
+    for col in ("state", "step", "checkpoint", "reason"):  # every column starts where its header does
+        at = head.index(col)
+        assert all(r[at - 1] == " " and r[at] != " " for r in rows), col
+    assert all(len(r) == 120 and r.endswith("…") for r in rows)  # the long reason is cut at the edge, not wrapped
+    assert rows[0].endswith("\\x1b[2J[bold]…") and "\x1b" not in "".join(lines)  # escaped, not read as markup
+    assert rows[3].split()[:3] == ["3", "optimizer.lr=0.001", "RUNNING"]
+    assert caption == ["no watcher: hangs and failures are recovered only while `orchestrate watch` runs"]
+
+
+def test_a_few_tasks_keep_the_boxed_table_that_folds_long_values():
+    from orchestrator.cli import render
+
+    lines = _print(_doc(render.LINES_FROM - 1, reason="q" * 300), 120)
+    assert lines[1].startswith("┏") and sum("q" in ln for ln in lines) > render.LINES_FROM - 1  # folded over lines
+    assert sum(ln.count("q") for ln in lines) == 300 * (render.LINES_FROM - 1)  # nothing cut

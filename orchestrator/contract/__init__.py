@@ -85,7 +85,19 @@ from .layout import (
     weights_tmp_dir,
 )
 from .records import CONTRACT_VERSION, Phase, RequeueBy, heartbeat_record
-from .taskconfig import TaskConfig, TaskConfigError, thaw
+
+# The task configuration's thirty dataclasses cost ~10 ms to build; read-only commands
+# (status, events) never touch them, so they are imported on first use.
+_LAZY = {"TaskConfig", "TaskConfigError", "thaw"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import taskconfig
+
+        return getattr(taskconfig, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CHECKPOINT_FORMAT",
