@@ -31,7 +31,7 @@ def test_the_entry_point_imports_only_the_standard_library():
 
 def test_every_command_has_a_handler():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert list(sub.choices) == ["validate", "schema", "plan", "submit", "watch", "status", "logs", "events", "ckpt", "cancel"]
+    assert list(sub.choices) == ["validate", "schema", "plan", "submit", "watch", "status", "logs", "events", "report", "ckpt", "cancel"]
     assert set(sub.choices) == set(COMMANDS)
     for command in COMMANDS:
         assert callable(handler(command)), command
@@ -82,7 +82,7 @@ def test_an_unknown_experiment_is_a_user_error(home, capsys):
 
 def _doc(n: int, reason: str = "") -> dict:
     tasks = [{"index": i, "params": {"optimizer.lr": 10.0 ** -i}, "state": "RUNNING" if i % 2 else "COMPLETED", "attempts": 1,
-              "restarts": 0, "step": 10 * i, "loss": 1.0 / (i + 1), "eval_loss": None, "throughput": 1234.5,
+              "restarts": 0, "step": 10 * i, "loss": 1.0 / (i + 1), "eval_loss": None, "throughput": 1234.5, "goodput": 0.5 if i % 2 else None,
               "heartbeat_age_s": 3.0, "nodes": ["n1", "n2"], "checkpoint": "step-00000010", "reason": reason}
              for i in range(n)]
     return {"experiments": [{"name": "sweep", "id": "e1", "state": "RUNNING", "executor": "slurm", "watcher": None, "tasks": tasks}]}
@@ -104,17 +104,17 @@ def test_a_sweep_prints_one_aligned_line_per_task_cropped_at_the_terminal():
     from orchestrator.cli import render
 
     n = render.LINES_FROM
-    lines = _print(_doc(n, reason="\x1b[2J[bold]boom[/] " + "y" * 300), 120)
+    lines = _print(_doc(n, reason="\x1b[2J[bold]boom[/] " + "y" * 300), 140)
     assert lines[0] == "sweep e1 RUNNING (slurm)"
     head, rows, caption = lines[1], lines[2:2 + n], lines[2 + n:]
-    assert head.split() == ["task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "hb", "age", "nodes", "checkpoint", "reason"]
+    assert head.split() == ["task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "goodput", "hb", "age", "nodes", "checkpoint", "reason"]
     assert [r.split()[0] for r in rows] == [str(i) for i in range(n)]
     for col in ("state", "step", "checkpoint", "reason"):  # every column starts where its header does
         at = head.index(col)
         assert all(r[at - 1] == " " and r[at] != " " for r in rows), col
-    assert all(len(r) == 120 and r.endswith("…") for r in rows)  # the long reason is cut at the edge, not wrapped
-    assert rows[0].endswith("\\x1b[2J[bold]…") and "\x1b" not in "".join(lines)  # escaped, not read as markup
-    assert rows[3].split()[:3] == ["3", "optimizer.lr=0.001", "RUNNING"]
+    assert all(len(r) == 140 and r.endswith("…") for r in rows)  # the long reason is cut at the edge, not wrapped
+    assert "\\x1b[2J[bold]boom[/] yyy" in rows[0] and "\x1b" not in "".join(lines)  # escaped, not read as markup
+    assert rows[3].split()[:3] == ["3", "optimizer.lr=0.001", "RUNNING"] and rows[3].split()[9] == "50%"
     assert caption == ["no watcher: hangs and failures are recovered only while `orchestrate watch` runs"]
 
 

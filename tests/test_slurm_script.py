@@ -70,6 +70,19 @@ def test_request_is_per_node_for_one_agent_per_node(tmp_path):
     assert p["exclude"] == "g001,g007" and p["srun_args"][0] == "--kill-on-bad-exit=1"
 
 
+def test_notify_email_is_slurms_own_mail_on_the_array(tmp_path):
+    spec = "name: mailed\nsteps: 10\nnotify:\n  email: me@example.org\n  webhook_env: SLACK_WEBHOOK_URL\n"
+    script = render_batch_script(plan_of(tmp_path, spec), python="python3")
+    # `on` defaults to all four; SLURM has no word for needs_attention
+    assert "#SBATCH --mail-user=me@example.org" in script.splitlines()
+    assert "#SBATCH --mail-type=FAIL,REQUEUE,END" in script.splitlines()
+    p = batch_parameters(plan_of(tmp_path, spec.replace("  webhook_env", "  on: [completed]\n  webhook_env")))
+    assert p["additional_parameters"] == {"requeue": True, "mail-user": "me@example.org", "mail-type": "END"}
+    for only_webhook in ("  on: [needs_attention]\n", ""):  # nothing SLURM can tell, or no email: no mail options
+        text = spec.replace("  email: me@example.org\n", "") if not only_webhook else spec.replace("  webhook_env", only_webhook + "  webhook_env")
+        assert "mail" not in str(batch_parameters(plan_of(tmp_path, text))["additional_parameters"])
+
+
 def test_unknown_setup_template_names_the_field_and_line(tmp_path):
     with pytest.raises(SpecError) as err:
         plan_of(tmp_path, "name: x\nsteps: 1\nresources:\n  setup_templates: [nccl, cuda]\n")

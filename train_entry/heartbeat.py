@@ -58,13 +58,15 @@ class Heartbeat:
             ),
         )
 
-    def metric(self, step: int, loss: float, lr: float, throughput: float, eval_loss: float | None = None) -> None:
+    def metric(self, step: int, loss: float, lr: float, throughput: float, eval_loss: float | None = None,
+               eval_s: float | None = None) -> None:
+        """``eval_s``: seconds spent evaluating since the last line (the report's goodput counts them apart)."""
         if self.ctx.rank == 0:
-            contract.append_jsonl(
-                self.metrics,
-                {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "eval_loss": eval_loss, "time": self.clock(),
-                 "launch": self.ctx.launch, "generation": self.ctx.generation},
-            )
+            line = {"step": step, "loss": loss, "lr": lr, "throughput": throughput, "eval_loss": eval_loss, "time": self.clock(),
+                    "launch": self.ctx.launch, "generation": self.ctx.generation}
+            if eval_s:
+                line["eval_s"] = eval_s
+            contract.append_jsonl(self.metrics, line)
 
     def event(self, kind: str, cause: str, **extra) -> None:
         """Something the ledger should record (rank 0 writes it): resumes, commits, skips."""

@@ -144,10 +144,14 @@ class Loop:
 
             verify(resume.folder, self.engine, self.workload.dataset, self.workload.loss, self.hb, self.cfg)
         self.window_t0, self.window_steps = time.perf_counter(), 0
+        self.eval_s = 0.0  # evaluating since the last metrics line
 
     def run(self) -> float | None:
         total, ckpt = self.cfg.steps, self.ckpt
         self.hb.beat(self.step, contract.Phase.TRAIN, force=True)
+        # where this generation's training begins: the report's goodput splits start-up from steps here
+        self.hb.event("train.started", f"training from step {self.step}, {time.time() - STARTED:.1f} s after the process started",
+                      step=self.step, startup_s=time.time() - STARTED)
         self.window_t0, self.window_steps = time.perf_counter(), 0
         while self.step < total:
             lr, losses = self.optimizer_step()
@@ -199,7 +203,9 @@ class Loop:
         t0 = time.perf_counter()
         loss = evaluate(self.engine, w.eval_dataset, w.loss_sum, self.cfg.batch.micro_batch_size, ctx.world_size, ctx.rank,
                         self.cfg.eval.max_batches)
-        self.window_t0 += time.perf_counter() - t0  # evaluation is not training time
+        took = time.perf_counter() - t0
+        self.window_t0 += took  # evaluation is not training time
+        self.eval_s += took
         return loss
 
     def log(self, lr: float, losses: list, eval_loss: float | None = None) -> None:
@@ -213,8 +219,8 @@ class Loop:
             self.last_loss = float(loss)
             now = time.perf_counter()
             self.hb.metric(step, self.last_loss, lr, self.items_per_step * self.window_steps / max(now - self.window_t0, 1e-9),
-                           eval_loss=eval_loss)
-            self.window_t0, self.window_steps = now, 0
+                           eval_loss=eval_loss, eval_s=self.eval_s)
+            self.window_t0, self.window_steps, self.eval_s = now, 0, 0.0
 
     def save(self, why: str, final: bool = False) -> None:
         from train_entry import resume_check

@@ -24,6 +24,7 @@ COMMANDS = {
     "status": "orchestrator.cli.read_cmds:cmd_status",
     "logs": "orchestrator.cli.read_cmds:cmd_logs",
     "events": "orchestrator.cli.read_cmds:cmd_events",
+    "report": "orchestrator.cli.report_cmd:cmd_report",
     "cancel": "orchestrator.cli.control_cmds:cmd_cancel",
     "watch": "orchestrator.cli.control_cmds:cmd_watch",
     "ckpt": "orchestrator.cli.ckpt_cmd:cmd_ckpt",

@@ -89,6 +89,11 @@ def _add_read_commands(sub) -> None:
     sp.add_argument("experiment")
     sp.add_argument("--json", action="store_true")
 
+    sp = sub.add_parser("report", help="one HTML page: loss across restarts, timeline, goodput, checkpoints, events")
+    sp.add_argument("experiment", help="id or name (a name means the newest experiment of that name)")
+    sp.add_argument("--out", help="where to write the page (default: report.html in the experiment's run folder)")
+    sp.add_argument("--json", action="store_true", help="print the same figures as JSON instead")
+
 
 def _add_ckpt(sub) -> None:
     sp = sub.add_parser("ckpt", help="list, verify, prune and consolidate sharded checkpoints")

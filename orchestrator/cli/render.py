@@ -101,6 +101,7 @@ def task_document(t: dict, mine: list[dict], now: float) -> dict:
         "loss": _number(t.get("loss")),
         "eval_loss": _number(t.get("eval_loss")),
         "throughput": _number(t.get("throughput")),
+        "goodput": _number(t.get("goodput")),  # productive / allocated time, as the watcher last added it up
         "heartbeat_age_s": round(now - heartbeat_at, 1) if heartbeat_at else None,
         "nodes": _nodes(last, t),
         "job_id": _str(last.get("job_id")),
@@ -167,7 +168,7 @@ def _state_style(state: Any) -> str:
     return _STYLE.get(state, "white") if isinstance(state, str) else "white"
 
 
-_COLUMNS = ("task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "hb age", "nodes", "checkpoint", "reason")
+_COLUMNS = ("task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "goodput", "hb age", "nodes", "checkpoint", "reason")
 LINES_FROM = 25  # tasks from which a table is one cropped line per task, like squeue
 
 
@@ -184,6 +185,7 @@ def _row(task: dict) -> list[Text]:
         _cell(task["loss"], ".4f"),
         _cell(task["eval_loss"], ".4f"),
         _cell(task["throughput"], ",.0f"),
+        Text("-" if _number(task["goodput"]) is None else f"{100 * task['goodput']:.0f}%"),
         Text(_fmt(age, ".0f") + ("s" if _number(age) is not None else "")),
         _cell(",".join(task["nodes"])),
         _cell(task["checkpoint"]),

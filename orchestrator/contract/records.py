@@ -96,9 +96,13 @@ METRIC = Schema(
      "eval_loss": nullable(number), "time": nullable(number)},
     required=("step",),
 )
+# the numbers of a trainer event that the ledger keeps beside its cause (events.data)
+EVENT_NUMBERS = ("step", "generation", "blocked_s", "total_s", "load_s", "startup_s", "seconds", "time")
 TRAINER_EVENT = Schema(
     "trainer event",
-    {"event": name, "cause": text(MESSAGE_MAX), "step": count, "folder": path_text, "time": number},
+    {"event": name, "cause": text(MESSAGE_MAX), "step": count, "folder": path_text, "time": number, "launch": launch_name,
+     "generation": count, "blocked_s": nullable(number), "total_s": nullable(number), "load_s": nullable(number),
+     "startup_s": nullable(number), "seconds": nullable(number)},
     defaults={"event": "trainer", "cause": ""},
 )
 START = Schema(

@@ -146,11 +146,47 @@ def _m004_eval(db: sqlite_utils.Database) -> None:
     db["tasks"].add_column("eval_loss", float)  # the newest of them
 
 
+def _m005_event_data(db: sqlite_utils.Database) -> None:
+    # a trainer event's numbers (a save's blocked_s, a resume's load_s and startup_s, ...),
+    # beside its cause: for scripts (`events --json`) and the report's checks
+    db["events"].add_column("data", str)  # JSON object of finite numbers, or NULL
+    # the task's goodput (productive / allocated), as the watcher last added it up from the
+    # run folder: status shows it without reading a file
+    db["tasks"].add_column("goodput", float)
+    db["tasks"].add_column("goodput_at", float)
+
+
+def _m006_notifications(db: sqlite_utils.Database) -> None:
+    # the outbox of spec.notify: a row per (event, trigger), written with the watcher's
+    # cursor over the events in one transaction, so a notification is neither lost nor
+    # enqueued twice; delivery state lives here, never in the sender thread
+    db["notifications"].create(
+        {
+            "id": int,
+            "experiment_id": str,
+            "event_id": int,
+            "trigger": str,  # failed, recovered, completed, needs_attention
+            "payload": str,  # JSON, as POSTed (never the webhook URL: that is read when sending)
+            "state": str,  # PENDING, SENT, DROPPED
+            "attempts": int,
+            "next_at": float,  # a PENDING row is due from then on (backoff)
+            "last_error": str,
+            "created_at": float,
+            "sent_at": float,
+        },
+        pk="id",
+    )
+    db["notifications"].create_index(["event_id", "trigger"], unique=True)
+    db["notifications"].create_index(["state", "experiment_id"])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
     ("003_recovery", _m003_recovery),
     ("004_eval", _m004_eval),
+    ("005_event_data", _m005_event_data),
+    ("006_notifications", _m006_notifications),
 ]
 
 

@@ -206,12 +206,14 @@ class Ledger:
         attempt: int | None = None,
         old: str | None = None,
         new: str | None = None,
+        data: dict | None = None,
     ) -> None:
+        """``data``: a trainer event's numbers (``records.EVENT_NUMBERS``), kept as JSON."""
+        cols, row = "time, experiment_id, idx, attempt, kind, old_state, new_state, cause", [self.clock(), experiment_id, idx, attempt, kind, old, new, cause]
+        if data is not None:
+            cols, row = cols + ", data", row + [json.dumps(data, allow_nan=False)]
         with self.tx():  # plain SQL: the most frequent write after the ingest's
-            self.conn.execute(
-                "insert into events (time, experiment_id, idx, attempt, kind, old_state, new_state, cause) values (?, ?, ?, ?, ?, ?, ?, ?)",
-                [self.clock(), experiment_id, idx, attempt, kind, old, new, cause],
-            )
+            self.conn.execute(f"insert into events ({cols}) values ({', '.join('?' * len(row))})", row)
 
     def has_event_of_kind(self, experiment_id: str, kind: str) -> bool:
         return self.conn.execute("select 1 from events where experiment_id = ? and kind = ? limit 1", [experiment_id, kind]).fetchone() is not None
@@ -246,7 +248,7 @@ class Ledger:
     def delete_experiment(self, exp_id: str) -> None:
         """Remove an experiment whose submission failed before anything ran."""
         with self.tx():
-            for table in ("events", "metrics", "heartbeats", "attempts", "actions", "checkpoints", "tasks"):
+            for table in ("notifications", "events", "metrics", "heartbeats", "attempts", "actions", "checkpoints", "tasks"):
                 self.db[table].delete_where("experiment_id = ?", [exp_id])
             self.db["experiments"].delete_where("id = ?", [exp_id])
 
@@ -269,6 +271,19 @@ class Ledger:
 
     def tasks(self, exp_id: str) -> list[dict]:
         return self._select("tasks", "experiment_id = ?", [exp_id], order_by="idx")
+
+    def tasks_where(self, where: str, args: list, order_by: str | None = None) -> list[dict]:
+        """Tasks by a condition of ours (never a file's)."""
+        return self._select("tasks", where, args, order_by=order_by)
+
+    def set_goodput(self, exp_id: str, idx: int, goodput: float | None, at: float) -> None:
+        """The task's goodput as added up ``at``; the row's updated_at stays (it tells when
+        the task itself last changed, which is what makes the figure stale)."""
+        with self.tx():
+            self.conn.execute("update tasks set goodput = ?, goodput_at = ? where experiment_id = ? and idx = ?", [goodput, at, exp_id, idx])
+
+    def task_events(self, exp_id: str, idx: int, kind: str) -> list[dict]:
+        return self._select("events", "experiment_id = ? and idx = ? and kind = ?", [exp_id, idx, kind], order_by="id")
 
     def task(self, exp_id: str, idx: int) -> dict:
         return self._get("tasks", "experiment_id = ? and idx = ?", [exp_id, idx])
@@ -534,3 +549,62 @@ class Ledger:
 
     def events(self, exp_id: str) -> list[dict]:
         return self._select("events", "experiment_id = ?", [exp_id], order_by="id")
+
+    def events_after(self, exp_id: str, after_id: int, limit: int) -> list[dict]:
+        """The experiment's events past ``after_id``, oldest first, at most ``limit``."""
+        return self._select("events", "experiment_id = ? and id > ?", [exp_id, after_id], order_by=f"id limit {int(limit)}")
+
+    def last_task_state(self, exp_id: str, idx: int, before_id: int) -> dict | None:
+        """The task's newest ``task.state`` event before event ``before_id``."""
+        rows = self._select("events", "experiment_id = ? and idx = ? and kind = 'task.state' and id < ?", [exp_id, idx, before_id],
+                            order_by="id desc limit 1")
+        return rows[0] if rows else None
+
+    def last_event_of(self, exp_id: str, kinds: tuple[str, ...]) -> dict | None:
+        rows = self._select("events", f"experiment_id = ? and kind in ({', '.join('?' * len(kinds))})", [exp_id, *kinds],
+                            order_by="id desc limit 1")
+        return rows[0] if rows else None
+
+    # ------------------------------------------------------------ notifications (the outbox of spec.notify)
+
+    def add_notifications(self, rows: list[dict]) -> int:
+        """New PENDING notifications; one that exists for its (event, trigger) is left as it is.
+        Returns how many were added."""
+        now = self.clock()
+        with self.tx():
+            before = self.conn.total_changes
+            self.conn.executemany(
+                "insert or ignore into notifications (experiment_id, event_id, trigger, payload, state, attempts, next_at, created_at) "
+                "values (?, ?, ?, ?, 'PENDING', 0, ?, ?)",
+                [(r["experiment_id"], r["event_id"], r["trigger"], json.dumps(r["payload"], sort_keys=True), now, now) for r in rows],
+            )
+            return self.conn.total_changes - before
+
+    def due_notifications(self, exp_id: str, now: float, limit: int = 100) -> list[dict]:
+        return self._select("notifications", "experiment_id = ? and state = 'PENDING' and next_at <= ?", [exp_id, now],
+                            order_by=f"id limit {int(limit)}")
+
+    def notification(self, row_id: int) -> dict | None:
+        rows = self._select("notifications", "id = ?", [row_id])
+        return rows[0] if rows else None
+
+    def notifications(self, exp_id: str) -> list[dict]:
+        return self._select("notifications", "experiment_id = ?", [exp_id], order_by="id")
+
+    def update_notification(self, row_id: int, **fields: Any) -> None:
+        sets = ", ".join(f'"{c}" = ?' for c in fields)  # our own column names
+        with self.tx():
+            self.conn.execute(f"update notifications set {sets} where id = ?", [*fields.values(), row_id])
+
+    def notify_backlog(self, cursor_prefix: str) -> list[str]:
+        """Experiments with ``notify`` in their spec that have PENDING notifications, or events
+        past their cursor (``cursor_prefix`` + id): ended ones too, so that nothing is lost."""
+        rows = self.conn.execute(
+            "select id from experiments e where e.spec like '%\"notify\": {%' and ("
+            " exists (select 1 from notifications n where n.state = 'PENDING' and n.experiment_id = e.id)"
+            " or coalesce((select offset from cursors where path = ? || e.id), 0)"
+            "    < coalesce((select max(id) from events v where v.experiment_id = e.id), 0))"
+            " order by created_at",
+            [cursor_prefix],
+        ).fetchall()
+        return [r[0] for r in rows]

@@ -14,6 +14,7 @@ waiting. ``orchestrate cancel`` stops tasks through a flag file the driver watch
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 if TYPE_CHECKING:  # a poll never builds a plan: the spec's models stay unimported
     from orchestrator.submit.plan import Plan
+
+log = logging.getLogger(__name__)
 
 DRIVER_TIMEOUT_MIN = 7 * 24 * 60  # the driver's own limit; tasks end long before
 
@@ -96,6 +99,8 @@ class LocalScheduler:
             f"{len(plan.tasks)} task(s), at most {plan.max_parallel} at once, on this machine")
 
     def submit(self, plan: Plan, watched: bool = False) -> dict[int, str]:
+        if getattr(getattr(plan.spec, "notify", None), "email", None):
+            log.warning("notify.email is SLURM's mail: the local executor sends none (the webhook, if any, still works)")
         return _start_driver(plan.run_dir, [t.index for t in plan.tasks], plan.max_parallel)
 
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:

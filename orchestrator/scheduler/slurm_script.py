@@ -47,6 +47,7 @@ def batch_parameters(plan: Plan) -> dict:
     for key, value in r.sbatch_extra.items():
         if value is not False:
             extra[key.lstrip("-")] = value
+    extra.update(mail_parameters(plan))
     params = {
         "job_name": f"{plan.name}-{plan.experiment_id}",
         "time": max(1, math.ceil(r.time_seconds / 60)),
@@ -72,6 +73,18 @@ def batch_parameters(plan: Plan) -> dict:
     check_parameters(params, submitit_folder(plan))  # before the fragments, so that a refusal names the spec field
     params["setup"] = setup_lines(plan)
     return check_parameters(params, submitit_folder(plan))
+
+
+# notify.on in SLURM's --mail-type words; SLURM has none for needs_attention. For an array,
+# END and FAIL mail once for the whole array (no ARRAY_TASKS: a sweep sends no flood)
+MAIL_TYPES = {"failed": "FAIL", "completed": "END", "recovered": "REQUEUE"}
+
+
+def mail_parameters(plan: Plan) -> dict:
+    """notify.email as SLURM's own mail; nothing when `on` names nothing SLURM can tell."""
+    n = plan.spec.notify
+    types = [MAIL_TYPES[t] for t in n.on if t in MAIL_TYPES] if n is not None and n.email else []
+    return {"mail-user": n.email, "mail-type": ",".join(types)} if types else {}
 
 
 def container_mounts(plan: Plan) -> list[str]:
@@ -132,7 +145,7 @@ _SOURCE = {
     "qos": "resources.qos",
     "constraint": "resources.constraint",
     "exclude": "resources.exclude",
-    "additional_parameters": "resources.sbatch_extra",
+    "additional_parameters": "resources.sbatch_extra or notify.email",
     "srun_args": "resources.srun_args",
     "setup": "resources.setup",
 }

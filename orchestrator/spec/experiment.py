@@ -18,6 +18,7 @@ from orchestrator.spec.sections import (
     Checkpoint,
     Heartbeat,
     Logging,
+    Notify,
     Optimizer,
     Resources,
     Retry,
@@ -45,12 +46,15 @@ class Spec(Strict):
     steps: int = Field(ge=1, le=MAX_STEPS, strict=True, description="Optimizer steps to train.")
     resources: Resources = Field(default_factory=Resources, description="What each task asks the scheduler for.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the training processes.")
-    sweep: Sweep = Field(default_factory=Sweep, description="Sweep over any field except name, workdir, resources, sweep.")
+    sweep: Sweep = Field(default_factory=Sweep, description="Sweep over any field except name, workdir, resources, notify, sweep.")
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint policy.")
     retry: Retry = Field(default_factory=Retry, description="Retry policy.")
     heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="Heartbeats and hang detection.")
     logging: Logging = Field(default_factory=Logging, description="Metric logging.")
     eval: Eval = Field(default_factory=Eval, description="Evaluation on the held-out split (`data.eval_path` or `eval_fraction`).")
+    notify: Notify | None = Field(
+        None, description="Notifications of failures, recoveries, completion and what needs attention (webhook, SLURM mail); null: none."
+    )
 
     @field_validator("name")
     @classmethod
@@ -113,6 +117,10 @@ class Spec(Strict):
                 ("engine", "precision"),
                 "fp16 runs on GPUs only (DeepSpeed's CPU accelerator has no fp16); use bf16, or set resources.gpus_per_task: 1",
             )
+        if self.notify is not None and self.notify.email is not None:
+            mail = [k for k in self.resources.sbatch_extra if k.startswith("mail") and any(o.startswith(k) for o in ("mail-user", "mail-type"))]
+            if mail:
+                raise FieldError(("notify", "email"), f"resources.sbatch_extra sets '{mail[0]}' too; keep one of the two")
         if self.engine.kind == "fsdp" and self.engine.sharding == "hybrid" and self.resources.nodes < 2:
             raise FieldError(
                 ("engine", "sharding"),
@@ -136,5 +144,6 @@ class Spec(Strict):
                              "a `kind: hf` model is consolidated into a Hugging Face folder, which holds safetensors")
 
 
-# Fields a sweep may not vary: one job array shares one name, folder and resource request.
-UNSWEEPABLE = ("name", "workdir", "resources", "sweep")
+# Fields a sweep may not vary: one job array shares one name, folder and resource request,
+# and one experiment one stream of notifications (the ledger keeps the spec before the sweep).
+UNSWEEPABLE = ("name", "workdir", "resources", "notify", "sweep")

@@ -15,6 +15,10 @@ from orchestrator.spec.experiment import Spec
 from orchestrator.spec.strict import FieldError
 
 
+# values an error never repeats: whoever reads them can use them (a webhook URL posts to its channel)
+SECRET_PATHS = {("notify", "webhook")}
+
+
 def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=None) -> list[SpecIssue]:
     """One issue per pydantic error; ``set_paths`` (path -> `--set` item) defaults to the
     overrides the line map records."""
@@ -44,7 +48,8 @@ def issues_of(errors: list[dict], raw: Any, lines: dict, source: str, set_paths=
             path = path + ("kind",)
             ctx = err.get("ctx", {})
             msg = f"unknown kind {ctx.get('tag')!r}; valid kinds: {ctx.get('expected_tags')}"
-        if err["type"] not in ("missing", "extra_forbidden", "union_tag_invalid") and "input" in err and not isinstance(err["input"], (dict, list)):
+        if err["type"] not in ("missing", "extra_forbidden", "union_tag_invalid") and "input" in err and not isinstance(err["input"], (dict, list)) \
+                and tuple(path) not in SECRET_PATHS:
             got = yamlsrc.shorten(err["input"])
             if not (isinstance(err["input"], str) and got[:20] in msg):  # a message quoting the text says it
                 msg += f" (got {got})"

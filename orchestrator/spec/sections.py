@@ -1,16 +1,19 @@
-"""The fixed-shape sections of a spec: resources, sweep, batch, optimizer, schedule
-and the policies (checkpoint, retry, heartbeat, logging).
+"""The fixed-shape sections of a spec: resources, sweep, batch, optimizer, schedule,
+the policies (checkpoint, retry, heartbeat, logging) and notify.
 
-Apart from `sweep`, each is mirrored field for field (defaults included) by a dataclass
+Apart from `sweep` and `notify`, each is mirrored field for field (defaults included) by a dataclass
 in ``orchestrator.contract.taskconfig``; ``tests/test_contract.py`` checks the two agree.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from orchestrator.notify import TRIGGERS
+from orchestrator.notify.webhook import url_problem
 from orchestrator.spec import slurmtext
 from orchestrator.spec.strict import (
     DAY_S,
@@ -19,6 +22,7 @@ from orchestrator.spec.strict import (
     MAX_STEPS,
     MAX_TASKS,
     YEAR_S,
+    FieldError,
     Strict,
     dotted_keys,
 )
@@ -333,3 +337,77 @@ class Heartbeat(Strict):
 
 class Logging(Strict):
     every_steps: int = Field(10, ge=1, le=MAX_STEPS, strict=True, description="Record loss and throughput every N steps.")
+
+
+_EMAIL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Notify(Strict):
+    """Messages about the experiment: a webhook the watcher POSTs to, and SLURM's own mail.
+    Not mirrored in task.json: the compute nodes send nothing."""
+
+    webhook: str | None = Field(
+        None,
+        description="URL the watcher POSTs a JSON message to (`text` for Slack and Mattermost incoming webhooks, "
+        "`orchestrate` with the facts). Whoever has it can post: prefer `webhook_env`.",
+    )
+    webhook_env: str | None = Field(
+        None,
+        description="Name of an environment variable of the watcher that holds the URL: it stays out of the spec, "
+        "the run folder and the ledger.",
+    )
+    on: list[Literal["failed", "recovered", "completed", "needs_attention"]] = Field(
+        default_factory=lambda: list(TRIGGERS),
+        min_length=1,
+        description="What is sent: `failed` (a task failed for good), `recovered` (a task runs again after a failed "
+        "attempt, or its ranks restarted in place), `completed` (the experiment, once), `needs_attention` (what a "
+        "person must act on: the scheduler not answering, the watcher failing on a task, agents not answering a hang, "
+        "the experiment ending FAILED).",
+    )
+    email: str | None = Field(
+        None,
+        description="Address for SLURM's own mail (`--mail-user`, and `--mail-type` from `on`: failed FAIL, completed "
+        "END, recovered REQUEUE), where the site sends it; the local executor sends none.",
+    )
+    timeout_s: float = Field(5.0, gt=0, le=60, strict=True, description="Timeout of each POST; the watcher never waits for it.")
+
+    @field_validator("webhook")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and (problem := url_problem(v)):
+            raise ValueError(f"the webhook URL {problem}")  # never repeated: it is a secret
+        return v
+
+    @field_validator("webhook_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not _ENV_NAME.fullmatch(v):
+            raise ValueError(f"{slurmtext.shown(v)} is not an environment variable name (letters, digits and '_', "
+                             "not starting with a digit)")
+        return v
+
+    @field_validator("email")
+    @classmethod
+    def _email(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        slurmtext.no_control(v)  # it becomes an #SBATCH line: a line break would start another
+        if not _EMAIL.fullmatch(v):
+            raise ValueError(f"{slurmtext.shown(v)} is not one plain e-mail address (user@example.org; no spaces, "
+                             "commas or names)")
+        return slurmtext.directive_text(v)
+
+    @field_validator("on")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "Notify":
+        if self.webhook is not None and self.webhook_env is not None:
+            raise FieldError(("webhook_env",), "set either webhook or webhook_env, not both")
+        if self.webhook is None and self.webhook_env is None and self.email is None:
+            raise FieldError(("webhook",), "nothing to notify: set webhook, webhook_env or email")
+        return self
+

@@ -42,7 +42,7 @@ def expand(spec: Spec, raw: dict, lines: dict, source: str) -> list[TaskSpec]:
                     lines,
                     where,
                     f"'{key}' cannot vary across a sweep: all tasks of one job array share "
-                    "name, workdir and resources; submit a separate spec instead",
+                    "name, workdir, resources and notify; submit a separate spec instead",
                     source,
                 )
             )

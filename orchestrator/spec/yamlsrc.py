@@ -10,6 +10,8 @@ A spec is a short hand-written file: text far beyond that is a mistake or an att
 before it costs time, memory or a traceback. The same bounds hold for `--set` values.
 Numbers follow YAML 1.2 where YAML 1.1 surprises: `1e-3` is a float (not a string) and
 `1:30:00` stays a string (not the base-60 integer 5400, which a time limit is not).
+A plain mapping key that YAML 1.1 reads as a boolean (`on`, `yes`) stays the text it is:
+no spec key is a boolean, and `notify.on` is a key.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ _Resolver.add_implicit_resolver(
     list("-+0123456789"),
 )
 _RESOLVER = _Resolver()
+_BOOL, _STR = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:str"
 
 
 class _Dumper(yaml.SafeDumper):
@@ -135,6 +138,13 @@ class _BoundedComposer(Composer):
         node = super().compose_node(parent, index)
         self._depth -= 1
         self._sizes[id(node)] = self._nodes - start
+        return node
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag == _BOOL and not key.style:  # plain: not quoted
+                key.tag = _STR  # a key is a name: `on:` (notify.on) is not YAML 1.1's true
         return node
 
 

@@ -153,7 +153,8 @@ def store(ledger: Ledger, batches: list[Batch]) -> None:
     all of them (the rows are checked already), events and checkpoints in file order."""
     for b in batches:
         for e in b.events:
-            ledger.event(b.exp_id, e["event"], e["cause"], idx=b.idx)
+            numbers = {k: e[k] for k in records.EVENT_NUMBERS if e.get(k) is not None}
+            ledger.event(b.exp_id, e["event"], e["cause"], idx=b.idx, data=numbers or None)
             if e["event"] == "checkpoint.committed" and e.get("folder") and "step" in e:
                 ledger.record_checkpoint(b.exp_id, b.idx, e["step"], e["folder"], e.get("time"))
         for cause in b.skipped:

@@ -28,6 +28,8 @@ from orchestrator.contract import ExitCode, FailureKind, GenerationAction, Reque
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
+from orchestrator.notify.outbox import Notifier
+from orchestrator.report import stored
 from orchestrator.scheduler import JobRef, get_scheduler, site_limits
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.contract import records
@@ -120,6 +122,8 @@ class Watcher:
         self._configs: dict[str, tuple] = {}  # task folder -> (task.json's stat, its TaskConfig)
         self._renewed: dict[str, float] = {}  # experiment -> when its lease was last renewed (monotonic)
         self.pacer = refresh.PollPacer(interval_s, POLL_MAX_S)  # light on the controller while nothing happens
+        self.notifier = Notifier(ledger, self.owner)  # spec.notify: its POSTs run in a thread, never in the cycle
+        self.watch_all = False  # a watcher of every experiment also delivers what ended ones left pending
 
     def scheduler(self, name: str):
         if name not in self.schedulers:
@@ -191,6 +195,13 @@ class Watcher:
                     log.warning("%s: could not submit the tasks waiting for room in the queue (%s); will retry", exp["id"], exc)
                 except Exception as exc:
                     self._task_failed(exp, {"idx": None}, exc)
+        stored.update(self.ledger, [e["id"] for e in mine], stored.WATCHER_BUDGET_S)  # the goodput status shows
+        # last: this cycle's events (a task failed, the experiment completed) go out at once
+        self.notifier.cycle([e["id"] for e in exps], backlog=self.watch_all)
+
+    def close(self) -> None:
+        """The watcher stops: a few seconds for the notifications under way, no more."""
+        self.notifier.close()
 
     def _task_failed(self, exp: dict, task: dict, exc: Exception) -> None:
         """An event of the task, once per distinct error (strict mode, the tests': raise)."""
@@ -563,6 +574,7 @@ def watch(
     stop = _Stop()
     old = {s: signal.signal(s, stop.handler) for s in (signal.SIGTERM, signal.SIGINT)}
     watcher = Watcher(ledger, interval_s)
+    watcher.watch_all = exp_ids is None
     try:
         while True:
             if exp_ids is None:  # submit tells from this lease that a watcher will take up what it leaves waiting
@@ -572,6 +584,8 @@ def watch(
             if on_cycle:
                 on_cycle(ids)
             ended = exp_ids is not None and all(TaskState(ledger.experiment(i)["state"]).terminal for i in ids)
+            if ended:  # every task's final figure, before leaving (a cycle adds up only a few)
+                stored.update(ledger, ids, stored.FINAL_BUDGET_S)
             if once or ended or stop.requested:
                 return ids
             deadline = time.time() + interval_s
@@ -580,6 +594,9 @@ def watch(
             if stop.requested:
                 return ids
     finally:
-        ledger.release_leases(watcher.owner)
+        try:
+            watcher.close()
+        finally:
+            ledger.release_leases(watcher.owner)
         for s, h in old.items():
             signal.signal(s, h)

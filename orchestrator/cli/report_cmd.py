@@ -1,0 +1,38 @@
+"""report: the experiment's page (or its figures as JSON), from the ledger and the run folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator import contract
+from orchestrator.errors import UserError
+from orchestrator.ledger import access
+from orchestrator.supervise import refresh
+
+
+def cmd_report(args) -> int:
+    from orchestrator.report.document import experiment_report
+
+    ledger = access.open_ledger(access.home_dir(args.home))
+    exp = access.resolve_experiment(ledger, args.experiment)[0]
+    refresh.for_reader(ledger, [exp])
+    doc = experiment_report(ledger, ledger.experiment(exp["id"]))
+    if args.json:
+        print(json.dumps(doc, indent=2, allow_nan=False))
+        return 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("the HTML report draws its plots with matplotlib, which is not installed: "
+                        "pip install 'orchestrate[report]' (or use --json)") from None
+    from orchestrator.report.html import render
+
+    out = Path(args.out).expanduser() if args.out else Path(exp["run_dir"]) / "report.html"
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder: name the file to write, e.g. {out / 'report.html'}")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    contract.atomic_write_text(out, render(doc))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,104 @@
+"""The report of one experiment as a plain document (what ``--json`` prints and the HTML
+is drawn from): per task its curves across attempts and restarts, faults and resumes,
+the goodput breakdown and checkpoint costs; the experiment's totals, the breakdown by
+failure kind, the sweep's final losses by parameter, and the events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import asdict
+
+from orchestrator.cli.render import json_safe
+from orchestrator.ledger import Ledger
+from orchestrator.report import goodput
+from orchestrator.report.records import read_task
+from orchestrator.states import AttemptState
+
+HOUR = 3600.0
+
+
+def gpus_per_node(spec: dict) -> int:
+    r = spec.get("resources") or {}
+    try:
+        return int(r.get("gpus_per_task") or 0) * int(r.get("tasks_per_node") or 1)
+    except (TypeError, ValueError):
+        return 0
+
+
+def attempt_ends_seen(events: list[dict]) -> dict[tuple[int, int], float]:
+    """(task, attempt) -> when the ledger first recorded the attempt as ended."""
+    ended = {s.value for s in AttemptState if s.ended}
+    out: dict[tuple[int, int], float] = {}
+    for e in events:
+        if e["kind"] == "attempt.state" and e.get("new_state") in ended and e.get("idx") is not None and e.get("attempt") is not None:
+            out.setdefault((e["idx"], e["attempt"]), e["time"])
+    return out
+
+
+def _summary(g: goodput.TaskGoodput) -> dict:
+    return {
+        "allocated_s": g.allocated_s, "node_hours": g.node_s / HOUR, "gpu_hours": g.gpu_s / HOUR, "goodput": g.goodput,
+        "seconds": dict(g.seconds), "queued_s": g.queued_s, "requeue_queued_s": g.requeue_queued_s,
+        "watcher_detection_s": g.watcher_detection_s, "steps_recomputed": g.steps_recomputed, "step_time_s": g.step_time_s,
+    }
+
+
+def task_report(ledger: Ledger, exp: dict, task: dict, events: list[dict], now: float) -> dict:
+    spec = json.loads(exp.get("spec") or "{}")
+    rec = read_task(task["task_dir"])
+    attempts = ledger.attempts(exp["id"], task["idx"])
+    seen = {n: t for (i, n), t in attempt_ends_seen(events).items() if i == task["idx"]}
+    g = goodput.task_goodput(attempts, rec, now=now, gpus_per_node=gpus_per_node(spec), attempt_end_seen=seen)
+    pass_of = {lr.key: i for i, lr in enumerate(rec.launches)}
+    points = [{"step": m["step"], "time": m["time"], "loss": m.get("loss"), "eval_loss": m.get("eval_loss"),
+               "throughput": m.get("throughput"), "launch": m["launch"], "generation": m["generation"],
+               "attempt_index": pass_of.get(m["launch"])} for m in rec.metrics]
+    return {
+        "index": task["idx"], "params": json.loads(task.get("params") or "{}"), "state": task["state"], "reason": task.get("reason"),
+        "final_loss": task.get("loss"), "final_eval_loss": task.get("eval_loss"), "step": task.get("step"),
+        "attempts": [{k: a.get(k) for k in ("number", "job_id", "launch", "state", "failure", "reason", "nodes", "submitted_at",
+                                              "started_at", "ended_at", "restarts")} for a in attempts],
+        "goodput": _summary(g),
+        "faults": [asdict(f) for f in g.faults],
+        "saves": g.saves,
+        "segments": [asdict(s) for s in g.segments],
+        "points": points,
+        "bad_records": rec.bad,
+    }
+
+
+def _by_kind(tasks: list[dict]) -> dict:
+    out: dict = defaultdict(lambda: {"count": 0, "lost_s": defaultdict(float)})
+    for t in tasks:
+        for f in t["faults"]:
+            k = out[f["kind"]]
+            k["count"] += 1
+            for cat, s in f["lost_s"].items():
+                k["lost_s"][cat] += s
+    return {k: {"count": v["count"], "lost_s": dict(v["lost_s"])} for k, v in out.items()}
+
+
+def _totals(tasks: list[dict]) -> dict:
+    keys = ("allocated_s", "node_hours", "gpu_hours", "queued_s", "requeue_queued_s", "watcher_detection_s", "steps_recomputed")
+    tot = {k: sum(t["goodput"][k] for t in tasks) for k in keys}
+    tot["seconds"] = {c: sum(t["goodput"]["seconds"][c] for t in tasks) for c in goodput.CATEGORIES}
+    tot["goodput"] = tot["seconds"]["productive"] / tot["allocated_s"] if tot["allocated_s"] > 0 else None
+    return tot
+
+
+def experiment_report(ledger: Ledger, exp: dict, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    events = ledger.events(exp["id"])
+    tasks = [task_report(ledger, exp, t, events, now) for t in ledger.tasks(exp["id"])]
+    keys = sorted({k for t in tasks for k in t["params"]})
+    return json_safe({
+        "experiment": {k: exp.get(k) for k in ("id", "name", "state", "executor", "created_at", "updated_at")},
+        "generated_at": now,
+        "sweep_keys": keys,
+        "tasks": tasks,
+        "totals": _totals(tasks),
+        "by_failure_kind": _by_kind(tasks),
+        "events": [{k: e.get(k) for k in ("id", "time", "idx", "attempt", "kind", "old_state", "new_state", "cause")} for e in events],
+    })
