@@ -145,10 +145,11 @@ def reported(tmp_path, monkeypatch):
     ledger = Ledger.open(home / "ledger.db")
     ledger.create_experiment({"id": "e1", "name": "chaos", "executor": "slurm", "spec_path": "x.yaml", "run_dir": str(run),
                               "spec": json.dumps({"resources": {"gpus_per_task": 1, "tasks_per_node": 2}})},
-                             [{"idx": 0, "params": {"optimizer.lr": "<i>1e-3</i>"}, "task_dir": str(tdir)}])
+                             [{"idx": 0, "params": {"optimizer.lr": "<i>1e-3</i> $\\frac{"}, "task_dir": str(tdir)}])
     for a in ATTEMPTS:
         n = ledger.add_attempt("e1", 0, "7", "submitted")
-        ledger.db["attempts"].update(("e1", 0, n), {k: a[k] for k in ("launch", "submitted_at", "started_at", "ended_at", "failure")})
+        ledger.db["attempts"].update(("e1", 0, n), {**{k: a[k] for k in ("launch", "submitted_at", "started_at", "ended_at", "failure")},
+                                                    "nodes": "$\\x$,n2"})  # matplotlib would read $..$ as math
     ledger.close()
     return main, home, run
 
@@ -186,3 +187,95 @@ def test_the_page_is_self_contained_escapes_what_records_say_and_marks_each_faul
         assert f'<div class="figure" id="{fig}"><svg' in html
     assert main(["report", "chaos", "--out", str(tmp_path)]) == 2  # a folder: says what to name
     assert "is a folder" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- records that are not the common path
+
+
+def one_launch(gens, ended=200.0, key="5.0"):
+    return LaunchRecord(key=key, job_id=key.split(".")[0], restart_count=int(key.split(".")[1]), nodes=["n1"], world_size=1, started=0.0,
+                        node_records=[{"exit_code": 0, "ended": ended}], generations=gens)
+
+
+def steps(launch, gen, first, last, t0):
+    return [metric(s, t0 + (s - first) * STEP, launch, gen) for s in range(first, last + 1, 10)]
+
+
+def test_a_stop_record_ends_its_launch_and_the_steps_it_lost_count_as_recomputed():
+    rec = TaskRecords()
+    stop = {"generation": 0, "time": 60.0, "step": 50, "kind": "oom", "action": "stop"}
+    rec.launches = [one_launch([stop], ended=70.0), LaunchRecord(key="5.1", job_id="5", restart_count=1, nodes=["n2"], world_size=1,
+                                                                  started=100.0, node_records=[{"exit_code": 0, "ended": 150.0}])]
+    rec.events += [event("train.started", 5.0, "5.0", 0, step=0), event("checkpoint.committed", 35.0, "5.0", 0, step=30, blocked_s=0.0),
+                   event("checkpoint.resumed", 109.0, "5.1", 0, step=30, load_s=1.0), event("train.started", 110.0, "5.1", 0, step=30)]
+    rec.metrics += steps("5.0", 0, 10, 50, 15.0) + steps("5.1", 0, 40, 100, 120.0)
+    g = goodput.task_goodput([{"number": 1, "launch": "5.0", "failure": "oom"}, {"number": 2, "launch": "5.1"}], rec, now=500.0)
+    [f] = g.faults
+    assert (f.kind, f.where, f.step, f.resumed_step, f.steps_lost) == ("oom", "requeue", 50, 30, 20)
+    assert g.seconds["recomputed"] == pytest.approx(20 * STEP)
+    assert g.seconds["failure_detection"] == pytest.approx(70.0 - 55.0)  # from its last step to the allocation's end
+    assert g.seconds["unattributed"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_restart_that_died_in_start_up_does_not_hide_the_steps_its_predecessor_lost():
+    rec = TaskRecords()
+    rec.launches = [one_launch([{"generation": 0, "time": 60.0, "step": 50, "kind": "infrastructure", "action": "restart"},
+                                {"generation": 1, "time": 80.0, "step": None, "kind": "infrastructure", "action": "restart"}])]
+    rec.events += [event("train.started", 5.0, "5.0", 0, step=0), event("checkpoint.committed", 35.0, "5.0", 0, step=30, blocked_s=0.0),
+                   event("train.started", 90.0, "5.0", 2, step=30)]
+    rec.metrics += steps("5.0", 0, 10, 50, 15.0) + steps("5.0", 2, 40, 100, 100.0)
+    g = goodput.task_goodput([{"number": 1, "launch": "5.0"}], rec, now=500.0)
+    first, second = g.faults
+    assert (first.step, first.resumed_step, first.steps_lost) == (50, 30, 20) and g.steps_recomputed == 20
+    assert (second.step, second.generation) == (None, 1)  # the restart that never trained: all of it start-up
+    assert g.seconds["recomputed"] == pytest.approx(20 * STEP)
+
+
+def test_a_failure_nothing_took_over_is_a_fault_and_a_save_after_the_last_line_counts():
+    rec = TaskRecords()
+    rec.launches = [one_launch([], ended=100.0)]
+    rec.events += [event("train.started", 5.0, "5.0", 0, step=0),
+                   event("checkpoint.committed", 58.0, "5.0", 0, step=53, blocked_s=1.0)]  # saved on the signal, after line 50
+    rec.metrics += steps("5.0", 0, 10, 50, 15.0)
+    g = goodput.task_goodput([{"number": 1, "launch": "5.0", "failure": "time_limit"}], rec, now=500.0)
+    [f] = g.faults
+    assert (f.kind, f.where, f.step, f.steps_lost) == ("time_limit", "not recovered", 53, 0)
+    assert g.seconds["productive"] == pytest.approx(58.0 - 5.0 - 1.0) and g.seconds["checkpoint_blocked"] == pytest.approx(1.0)
+
+
+def test_hostile_numbers_in_records_neither_loop_nor_skew_the_figures():
+    import time
+
+    rec = records()
+    rec.metrics.append(metric(60, 170.0, "7.0", 2 ** 62))  # a generation no agent recorded
+    rec.metrics[3]["eval_s"] = 1e9  # more evaluation than time
+    t0 = time.monotonic()
+    g = goodput.task_goodput(ATTEMPTS, rec, now=1000.0)
+    assert time.monotonic() - t0 < 1.0 and rec.bad == 1
+    assert all(v >= 0 for k, v in g.seconds.items() if k != "unattributed")
+    assert g.seconds["unattributed"] == pytest.approx(0.0, abs=1e-6) and 0 <= g.goodput <= 1
+    from orchestrator.report.records import EVENT_LINE
+
+    assert EVENT_LINE.check({"event": "checkpoint.committed", "time": 1.0, "blocked_s": -1000})["blocked_s"] is None  # not believed
+
+
+def test_stored_goodput_is_bounded_and_one_bad_task_stops_nothing(reported, monkeypatch):
+    from orchestrator.ledger import Ledger
+    from orchestrator.report import goodput as gp
+    from orchestrator.report import stored
+
+    _, home, _ = reported
+    ledger = Ledger.open(home / "ledger.db")
+    ledger.strict = False
+    assert stored.update(ledger, ["e1"], 1.0) == 1
+    assert ledger.task("e1", 0)["goodput"] == pytest.approx(100 / 147)
+    assert stored.update(ledger, ["e1"], 1.0) == 0  # ended and added up: not due again
+    ledger.db["tasks"].update(("e1", 0), {"goodput_at": None})
+
+    def broken(*a, **k):
+        raise ValueError("damaged")
+
+    monkeypatch.setattr(gp, "task_goodput", broken)
+    assert stored.update(ledger, ["e1"], 1.0) == 1  # logged, stored as unknown, not retried every cycle
+    row = ledger.task("e1", 0)
+    assert row["goodput"] is None and row["goodput_at"] is not None and stored.due(ledger, ["e1"], ledger.clock()) == []

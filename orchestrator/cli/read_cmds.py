@@ -45,6 +45,11 @@ def cmd_events(args) -> int:
     refresh.for_reader(ledger, [exp])
     events = ledger.events(exp["id"])
     if args.json:
+        for e in events:  # the numbers of a trainer event, as an object (stored as JSON text)
+            try:
+                e["data"] = json.loads(e["data"]) if isinstance(e.get("data"), str) else None
+            except ValueError:
+                e["data"] = None
         print(json.dumps(render.json_safe(events), indent=2))
     else:
         for e in events:

@@ -11,7 +11,7 @@ import os
 import time
 
 from .codes import TextEnum
-from .safe_read import NAME_MAX, Schema, count, flag, integer, items, launch_name, name, nullable, number, path_text, text
+from .safe_read import NAME_MAX, Schema, count, duration, flag, integer, items, launch_name, lenient, name, nullable, number, path_text, text
 
 CONTRACT_VERSION = 1
 
@@ -100,9 +100,10 @@ METRIC = Schema(
 EVENT_NUMBERS = ("step", "generation", "blocked_s", "total_s", "load_s", "startup_s", "seconds", "time")
 TRAINER_EVENT = Schema(
     "trainer event",
-    {"event": name, "cause": text(MESSAGE_MAX), "step": count, "folder": path_text, "time": number, "launch": launch_name,
-     "generation": count, "blocked_s": nullable(number), "total_s": nullable(number), "load_s": nullable(number),
-     "startup_s": nullable(number), "seconds": nullable(number)},
+    {"event": name, "cause": text(MESSAGE_MAX), "step": count, "folder": path_text, "time": number,
+     # the numbers kept beside the cause (EVENT_NUMBERS): a bad one is dropped, not the event
+     "launch": lenient(launch_name), "generation": lenient(count), "blocked_s": lenient(duration), "total_s": lenient(duration),
+     "load_s": lenient(duration), "startup_s": lenient(duration), "seconds": lenient(duration)},
     defaults={"event": "trainer", "cause": ""},
 )
 START = Schema(

@@ -236,6 +236,25 @@ def nullable(check: Check) -> Check:
     return maybe
 
 
+def duration(value: Any) -> float:
+    """Seconds: a finite number, never negative."""
+    if number(value) < 0:
+        raise BadRecord("is negative")
+    return float(value)
+
+
+def lenient(check: Check) -> Check:
+    """A field the record is worth keeping without: a bad value reads as None (the record
+    stays; its other fields were checked as usual)."""
+    def maybe(value: Any) -> Any:
+        try:
+            return None if value is None else check(value)
+        except BadRecord:
+            return None
+
+    return maybe
+
+
 def items(check: Check, limit: int = ITEMS_MAX) -> Check:
     def each(value: Any) -> list:
         if type(value) is not list:

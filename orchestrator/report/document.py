@@ -66,6 +66,7 @@ def task_report(ledger: Ledger, exp: dict, task: dict, events: list[dict], now: 
         "segments": [asdict(s) for s in g.segments],
         "points": points,
         "bad_records": rec.bad,
+        "records_cut": rec.cut,
     }
 
 

@@ -104,12 +104,16 @@ class _Gen:
     number: int
     begin: float
     end: float
-    end_record: dict | None  # the agent's, when it was restarted in place
+    end_record: dict | None  # the agent's: "restart" (a new generation follows in place) or "stop" (the launch's last)
     metrics: list[dict]
     events: list[dict]
 
     def event(self, kind: str) -> dict | None:
         return next((e for e in self.events if e["event"] == kind), None)
+
+    @property
+    def restarted(self) -> bool:
+        return self.end_record is not None and self.end_record.get("action") == "restart"
 
     @property
     def start_step(self) -> int | None:
@@ -121,13 +125,23 @@ class _Gen:
 
 
 def _generations(launch: LaunchRecord, end: float, rec: TaskRecords) -> list[_Gen]:
+    """The launch's generations: one per "restart" end record, and the last one (which a
+    "stop" record may end). Records that name a generation past those are not believed
+    (counted bad): a number in a file never sizes a loop."""
+    ends: list[dict] = []
+    for r in launch.generations:
+        ends.append(r)
+        if r.get("action") != "restart":
+            break
+    count = len(ends) + (0 if ends and ends[-1].get("action") != "restart" else 1)
     mine = [m for m in rec.metrics if m["launch"] == launch.key]
     evs = [e for e in rec.events if e["launch"] == launch.key]
-    last = max([len(launch.generations)] + [m["generation"] for m in mine] + [e["generation"] for e in evs])
+    rec.bad += sum(1 for r in mine + evs if r["generation"] >= count)
     gens, begin = [], launch.started
-    for g in range(last + 1):
-        end_record = launch.generations[g] if g < len(launch.generations) else None
-        g_end = min(max(end_record["time"], begin), end) if end_record and end_record.get("time") else end
+    for g in range(count):
+        end_record = ends[g] if g < len(ends) else None
+        restart = end_record is not None and end_record.get("action") == "restart"
+        g_end = _clamp(end_record["time"], begin, end) if restart and end_record.get("time") is not None else end
         gens.append(_Gen(launch, g, begin, g_end, end_record, sorted((m for m in mine if m["generation"] == g), key=lambda m: m["time"]),
                          [e for e in evs if e["generation"] == g]))
         begin = g_end
@@ -138,27 +152,31 @@ def _clamp(t: float, lo: float, hi: float) -> float:
     return min(max(t, lo), hi)
 
 
+def _started(gen: _Gen, st: float | None) -> float | None:
+    """When its first step began: the trainer's train.started, else (a script, an older
+    trainer) its first metrics line less a step; None when it never trained."""
+    if (e := gen.event("train.started")) is not None:
+        return e["time"]
+    if gen.metrics:
+        return gen.metrics[0]["time"] - (st or 0.0)
+    return None
+
+
 def account(out: TaskGoodput, gen: _Gen, next_start: int | None, failed: bool, kind: str, where: str, st: float | None) -> Fault | None:
-    """One generation's time into ``out``; the fault that ended it, if one did."""
+    """One generation's time into ``out``; the fault that ended it, if one did.
+    ``next_start``: the step the next generation that trained began from."""
     sec, nodes = out.seconds, gen.launch.nodes
 
     def seg(a: float, b: float, cat: str) -> None:
         if b > a:
             out.segments.append(Segment(a, b, cat, gen.launch.key, gen.number, nodes))
 
-    started_ev = gen.event("train.started") or gen.event("checkpoint.resumed")
-    resumed = gen.event("checkpoint.resumed")
-    load = (resumed or {}).get("load_s") or 0.0
-    if started_ev is None and gen.metrics:  # a trainer of an older version, or a script: its first line
-        started = gen.metrics[0]["time"] - (st or 0.0)
-    elif started_ev is not None:
-        started = started_ev["time"]
-    else:
-        started = None
+    started = _started(gen, st)
     if started is None:  # never trained: all of it start-up (a failure there costs it all)
         sec["startup"] += gen.end - gen.begin
         seg(gen.begin, gen.end, "startup")
         return Fault(gen.end, None, kind, where, gen.launch.key, gen.number, next_start) if failed else None
+    load = ((gen.event("checkpoint.resumed") or {}).get("load_s") or 0.0) if gen.event("train.started") else 0.0
     started = _clamp(started, gen.begin, gen.end)
     load_start = _clamp(started - load, gen.begin, started)
     sec["startup"] += load_start - gen.begin
@@ -167,13 +185,16 @@ def account(out: TaskGoodput, gen: _Gen, next_start: int | None, failed: bool, k
     seg(load_start, started, "checkpoint_load")
 
     start_step = gen.start_step or 0
-    points = [(start_step, started)] + [(m["step"], _clamp(m["time"], started, gen.end)) for m in gen.metrics]
     saves = [e for e in gen.events if e["event"] == "checkpoint.committed" and e.get("blocked_s") is not None]
     for e in saves:
         out.saves.append({"step": e.get("step"), "time": e["time"], "blocked_s": e["blocked_s"], "total_s": e.get("total_s"),
                           "launch": gen.launch.key, "generation": gen.number})
-    last_step = points[-1][0]
-    last = max([points[-1][1]] + [_clamp(e["time"], started, gen.end) for e in saves])
+    # (step, time) of every step the records time: metrics lines, and saves (a save on the
+    # signal may come after the last line)
+    points = sorted([(start_step, started)] + [(m["step"], _clamp(m["time"], started, gen.end)) for m in gen.metrics]
+                    + [(e["step"], _clamp(e["time"], started, gen.end)) for e in saves if e.get("step") is not None])
+    last_step = max(p[0] for p in points)
+    last = max(p[1] for p in points)
     fail_step = last_step
     if failed and gen.end_record is not None and gen.end_record.get("step") is not None:
         fail_step = max(gen.end_record["step"], last_step)
@@ -181,44 +202,58 @@ def account(out: TaskGoodput, gen: _Gen, next_start: int | None, failed: bool, k
     # where the successor took up the work: what was done past it is lost
     keep = fail_step if next_start is None or not failed else min(max(next_start, start_step), fail_step)
     t_keep = _clamp(_time_at(points + [(fail_step, t_fail)] if fail_step > last_step else points, keep), started, t_fail)
-    if keep >= last_step and not failed:
-        t_keep = last  # the final save's blocking, after the last line, is the generation's too
+    if keep >= last_step:
+        t_keep = last if not failed or keep >= fail_step else t_keep  # a save after the last line is the generation's too
 
     def inside(a: float, b: float) -> tuple[float, float]:
-        blocked = sum(min(e["blocked_s"], e["time"] - started) for e in saves if a < e["time"] <= b or (a == started and e["time"] == a))
+        """Seconds saves blocked and evaluation took in (a, b], never more than the span."""
+        blocked = sum(e["blocked_s"] for e in saves if a < e["time"] <= b or (a == b == e["time"]))
         ev = sum(m.get("eval_s") or 0.0 for m in gen.metrics if a < m["time"] <= b)
-        return blocked, ev
+        blocked = min(blocked, b - a)
+        return blocked, min(ev, b - a - blocked)
 
     blocked, ev = inside(started, t_keep)
     sec["checkpoint_blocked"] += blocked
     sec["eval_consolidation"] += ev
     sec["productive"] += max(t_keep - started - blocked - ev, 0.0)
     seg(started, t_keep, "productive")
-    fault = None
-    if failed:
-        blocked2, ev2 = inside(t_keep, t_fail)
-        rest = max(t_fail - t_keep - blocked2 - ev2, 0.0)
-        lost = fail_step > keep  # no step lost (saved on the signal): the rest is the leaving, not work
-        recomputed = rest if lost else 0.0
-        sec["checkpoint_blocked"] += blocked2
-        sec["eval_consolidation"] += ev2
-        sec["recomputed"] += recomputed
-        sec["failure_detection"] += gen.end - t_fail + (0.0 if lost else rest)
-        seg(t_keep, t_fail, "recomputed" if lost else "failure_detection")
-        seg(t_fail, gen.end, "failure_detection")
-        out.steps_recomputed += max(fail_step - keep, 0)
-        fault = Fault(t_fail, fail_step, kind, where, gen.launch.key, gen.number, next_start, max(fail_step - keep, 0),
-                      {"recomputed": recomputed, "failure_detection": gen.end - t_fail + (0.0 if lost else rest)})
-    else:
+    if not failed:
         consolidation = 0.0
         a = gen.event("weights.consolidating")
         b = next((e for e in gen.events if e["event"] in ("weights.consolidated", "weights.failed") and a and e["time"] >= a["time"]), None)
         if a and b:
-            consolidation = min(b["time"] - a["time"], gen.end - last)
+            consolidation = _clamp(b["time"] - a["time"], 0.0, gen.end - t_keep)
         sec["eval_consolidation"] += consolidation
-        sec["shutdown"] += max(gen.end - last - consolidation, 0.0)
-        seg(last, gen.end, "shutdown")
-    return fault
+        sec["shutdown"] += gen.end - t_keep - consolidation
+        seg(t_keep, gen.end, "shutdown")
+        return None
+    blocked2, ev2 = inside(t_keep, t_fail)
+    rest = max(t_fail - t_keep - blocked2 - ev2, 0.0)
+    lost = fail_step > keep  # no step lost (saved on the signal): the rest is the leaving, not work
+    recomputed = rest if lost else 0.0
+    detection = gen.end - t_fail + (0.0 if lost else rest)
+    sec["checkpoint_blocked"] += blocked2
+    sec["eval_consolidation"] += ev2
+    sec["recomputed"] += recomputed
+    sec["failure_detection"] += detection
+    seg(t_keep, t_fail, "recomputed" if lost else "failure_detection")
+    seg(t_fail, gen.end, "failure_detection")
+    out.steps_recomputed += max(fail_step - keep, 0)
+    return Fault(t_fail, fail_step, kind, where, gen.launch.key, gen.number, next_start, max(fail_step - keep, 0),
+                 {"recomputed": recomputed, "failure_detection": detection})
+
+
+def _launch_end(lr: LaunchRecord, att: dict | None, seen: dict, nxt: LaunchRecord | None, now: float) -> float:
+    """The end of a launch's allocation: its agents' end; else the attempt's; else the last
+    node that wrote one, or when the ledger saw it end; never past the next launch's start."""
+    end = lr.ended_at or (att or {}).get("ended_at")
+    if end is None and lr.node_records:
+        end = max(r.get("ended") or 0.0 for r in lr.node_records) or None
+    if end is None:
+        end = seen.get((att or {}).get("number")) or now
+    if nxt is not None:
+        end = min(end, max(nxt.started, lr.started))
+    return max(end, lr.started)
 
 
 def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per_node: int = 0,
@@ -228,32 +263,37 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
     out = TaskGoodput(step_time_s=step_time(rec.metrics))
     seen = attempt_end_seen or {}
     by_launch = {a.get("launch"): a for a in attempts if a.get("launch")}
-    launches = [(lr, by_launch.get(lr.key)) for lr in rec.launches]
-    # every generation of every launch, in order, with the step its successor began from
     chain: list[tuple[_Gen, dict | None]] = []
-    for lr, att in launches:
-        end = lr.ended_at or (att or {}).get("ended_at") or seen.get((att or {}).get("number")) or now
-        chain += [(g, att) for g in _generations(lr, max(end, lr.started), rec)]
-        out.allocated_s += max(end, lr.started) - lr.started
-        out.node_s += (max(end, lr.started) - lr.started) * max(len(lr.nodes), 1)
-        out.gpu_s += (max(end, lr.started) - lr.started) * max(len(lr.nodes), 1) * gpus_per_node
+    for i, lr in enumerate(rec.launches):
+        att = by_launch.get(lr.key)
+        end = _launch_end(lr, att, seen, rec.launches[i + 1] if i + 1 < len(rec.launches) else None, now)
+        chain += [(g, att) for g in _generations(lr, end, rec)]
+        out.allocated_s += end - lr.started
+        out.node_s += (end - lr.started) * max(len(lr.nodes), 1)
+        out.gpu_s += (end - lr.started) * max(len(lr.nodes), 1) * gpus_per_node
     for i, (gen, att) in enumerate(chain):
         nxt = chain[i + 1][0] if i + 1 < len(chain) else None
-        same_launch = nxt is not None and nxt.launch is gen.launch
-        if gen.end_record is not None:  # restarted (or stopped) in place by the agent
-            failed, kind, where = True, gen.end_record.get("kind") or "failure", "in place"
-        elif nxt is not None and not same_launch:  # SLURM ended the launch (preempted, a node lost, ...) and another took over
-            failed, kind, where = True, (att or {}).get("failure") or "requeue", "requeue"
+        trained = next((g.start_step for g, _ in chain[i + 1:] if g.start_step is not None), None)
+        rec_kind = (gen.end_record or {}).get("kind") or "failure"
+        last_of_launch = nxt is None or nxt.launch is not gen.launch
+        if gen.restarted:
+            failed, kind, where = True, rec_kind, "in place"
+        elif last_of_launch and nxt is not None:  # SLURM ended the launch (preempted, a node lost, ...) and another took over
+            failed, kind, where = True, (att or {}).get("failure") or (rec_kind if gen.end_record else "requeue"), "requeue"
+        elif gen.end_record is not None or (att or {}).get("failure"):  # the task's last launch failed: nothing took over
+            failed, kind, where = True, (att or {}).get("failure") or rec_kind, "not recovered"
         else:
             failed, kind, where = False, "", ""
-        fault = account(out, gen, nxt.start_step if nxt is not None else None, failed, kind, where, out.step_time_s)
-        if fault is not None:
-            if nxt is not None:  # the successor's start-up and load are this fault's cost too
-                nxt_start = nxt.event("train.started") or nxt.event("checkpoint.resumed")
-                if nxt_start is not None:
-                    fault.lost_s["startup"] = max(nxt_start["time"] - nxt.begin - ((nxt.event("checkpoint.resumed") or {}).get("load_s") or 0.0), 0.0)
-                    fault.lost_s["checkpoint_load"] = (nxt.event("checkpoint.resumed") or {}).get("load_s") or 0.0
-            out.faults.append(fault)
+        fault = account(out, gen, trained if where != "not recovered" else None, failed, kind, where, out.step_time_s)
+        if fault is None:
+            continue
+        if nxt is not None and where != "not recovered":  # the successor's start-up and load are this fault's cost too
+            started = _started(nxt, out.step_time_s)
+            if started is not None:
+                load = ((nxt.event("checkpoint.resumed") or {}).get("load_s") or 0.0) if nxt.event("train.started") else 0.0
+                fault.lost_s["startup"] = max(_clamp(started, nxt.begin, nxt.end) - nxt.begin - load, 0.0)
+                fault.lost_s["checkpoint_load"] = load
+        out.faults.append(fault)
     for prev, att in zip(attempts, attempts[1:]):
         if att.get("started_at") and prev.get("ended_at"):
             out.requeue_queued_s += max(att["started_at"] - prev["ended_at"], 0.0)

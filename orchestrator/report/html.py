@@ -31,7 +31,10 @@ def _n(value, fmt: str = ",.1f") -> str:
 
 
 def _when(t: float | None) -> str:
-    return "-" if t is None else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return "-" if t is None else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):  # a record's time out of any calendar
+        return _t(t)
 
 
 def _table(head: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:

@@ -46,9 +46,15 @@ def _passes(points: list[dict]) -> list[list[dict]]:
     return out
 
 
+def plain(value) -> str:
+    """Text from a record or the spec, drawn as it is: matplotlib reads $...$ as math (and
+    raises on what it cannot parse)."""
+    return str(value).replace("$", r"\$")
+
+
 def _task_title(t: dict) -> str:
     params = ", ".join(f"{k}={v}" for k, v in t["params"].items())
-    return f"task {t['index']}" + (f" ({params})" if params else "")
+    return plain(f"task {t['index']}" + (f" ({params})" if params else ""))
 
 
 def loss_figure(tasks: list[dict], key: str = "loss") -> str:
@@ -65,7 +71,7 @@ def loss_figure(tasks: list[dict], key: str = "loss") -> str:
             ys = [p[key] for p in seg if p.get(key) is not None]
             if xs:
                 (line,) = ax.plot(xs, ys, lw=1.2, marker="o" if len(xs) < 3 else None, ms=3,
-                                  label=f"{seg[0]['launch']} gen {seg[0]['generation']}")
+                                  label=plain(f"{seg[0]['launch']} gen {seg[0]['generation']}"))
                 line.set_gid(f"{key}-{t['index']}-{n}")
         evals = [(p["step"], p["eval_loss"]) for p in t["points"] if p.get("eval_loss") is not None]
         if evals and key == "loss":
@@ -110,7 +116,7 @@ def timeline_figure(tasks: list[dict], t0: float) -> str:
     seen: set[str] = set()
     labels = []
     for y, (t, a) in enumerate(rows):
-        labels.append(f"task {t['index']} #{a['number']}" + (f" {a['nodes']}" if a.get("nodes") else ""))
+        labels.append(plain(f"task {t['index']} #{a['number']}" + (f" {a['nodes']}" if a.get("nodes") else "")))
         spans = []
         if a.get("submitted_at") and a.get("started_at"):
             spans.append((a["submitted_at"], a["started_at"], "queued"))
@@ -182,8 +188,8 @@ def sweep_figure(tasks: list[dict], keys: list[str]) -> str | None:
         else:
             names = sorted({str(x) for x in xs})
             ax.scatter([names.index(str(x)) for x in xs], ys, s=20).set_gid(f"sweep-{key}")
-            ax.set_xticks(range(len(names)), names, fontsize=7)
-        ax.set_xlabel(key)
+            ax.set_xticks(range(len(names)), [plain(n) for n in names], fontsize=7)
+        ax.set_xlabel(plain(key))
         ax.set_ylabel("final loss")
         ax.grid(alpha=0.3)
     return svg(fig)

@@ -11,19 +11,20 @@ from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.contract import records
-from orchestrator.contract.safe_read import BadRecord, Schema, count, launch_name, name, nullable, number, read_jsonl
+from orchestrator.contract.safe_read import BadRecord, Schema, count, duration, launch_name, name, nullable, number, read_jsonl
 from orchestrator.supervise.launches import LaunchRecord, read_launches
 
 METRIC_LINE = Schema(
     "metrics line",
     {"step": count, "loss": nullable(number), "throughput": nullable(number), "eval_loss": nullable(number), "time": number,
-     "launch": launch_name, "generation": count, "eval_s": nullable(number)},
+     "launch": launch_name, "generation": count, "eval_s": nullable(duration)},
     required=("step", "time"),
     defaults={"generation": 0, "launch": ""},
 )
+# a line without its launch or generation (an older trainer's) belongs to no pass: not used
 EVENT_LINE = Schema(
     "trainer event",
-    {**records.TRAINER_EVENT.fields, "event": name, "time": number},
+    {**records.TRAINER_EVENT.fields, "event": name, "time": number, "launch": launch_name, "generation": count},
     required=("event", "time"),
     defaults={"generation": 0, "launch": "", "cause": ""},
 )
@@ -36,14 +37,15 @@ class TaskRecords:
     events: list[dict] = field(default_factory=list)
     launches: list[LaunchRecord] = field(default_factory=list)
     bad: int = 0  # lines and records skipped as bad
+    cut: bool = False  # a file was longer than the reader's limit: the figures are of its beginning
 
 
-def _read_all(path: Path, schema: Schema, out: TaskRecords) -> list[dict]:
+def _read_all(path: Path, schema: Schema, out: TaskRecords, limit: int) -> list[dict]:
     rows: list[dict] = []
     offset, skipping = 0, False
-    while offset < FILE_MAX:
+    while True:
         try:
-            lines = read_jsonl(path, offset, schema, skipping=skipping)
+            lines = read_jsonl(path, offset, schema, skipping=skipping, read_max=min(4 << 20, limit))
         except BadRecord:
             out.bad += 1
             break
@@ -52,14 +54,18 @@ def _read_all(path: Path, schema: Schema, out: TaskRecords) -> list[dict]:
         if lines.offset == offset or not lines.more:
             break
         offset, skipping = lines.offset, lines.skipping
+        if offset >= limit:
+            out.cut = True
+            break
     return rows
 
 
-def read_task(task_dir: str | Path) -> TaskRecords:
+def read_task(task_dir: str | Path, limit: int = FILE_MAX) -> TaskRecords:
+    """``limit``: bytes read of each JSONL file (``cut`` says when one was longer)."""
     out = TaskRecords()
     problems: list = []
     out.launches = read_launches(task_dir, problems)
-    out.metrics = _read_all(contract.metrics_path(task_dir), METRIC_LINE, out)
-    out.events = _read_all(contract.events_path(task_dir), EVENT_LINE, out)
+    out.metrics = _read_all(contract.metrics_path(task_dir), METRIC_LINE, out, limit)
+    out.events = _read_all(contract.events_path(task_dir), EVENT_LINE, out, limit)
     out.bad += len(problems)
     return out

@@ -4,14 +4,18 @@ up reads its run folder, and a thousand tasks must not stretch a cycle."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from orchestrator.ledger import Ledger
 
 STALE_S = 300.0  # a live task's goodput is added up again after this long
 WATCHER_BUDGET_S = 0.2
-READER_BUDGET_S = 0.05
-FINAL_BUDGET_S = 60.0  # a watcher leaving an ended experiment: every task's final figure
+FINAL_BUDGET_S = 60.0  # a watcher seeing an experiment end: every task's final figure
+DUE_MAX = 200  # tasks looked at per call
+FILE_MAX = 16 * 1024 * 1024  # of a task's metrics or events file: a longer one is left to `orchestrate report`
+
+log = logging.getLogger(__name__)
 
 
 def due(ledger: Ledger, exp_ids: list[str], now: float) -> list[dict]:
@@ -24,11 +28,13 @@ def due(ledger: Ledger, exp_ids: list[str], now: float) -> list[dict]:
         f"experiment_id in ({marks}) and (goodput_at is null"
         " or (state in ('COMPLETED', 'FAILED', 'CANCELLED') and goodput_at < updated_at)"
         " or (state not in ('COMPLETED', 'FAILED', 'CANCELLED') and goodput_at < ?))",
-        [*exp_ids, now - STALE_S], order_by="coalesce(goodput_at, 0)")
+        [*exp_ids, now - STALE_S], order_by=f"coalesce(goodput_at, 0) limit {DUE_MAX}")
 
 
 def update(ledger: Ledger, exp_ids: list[str], budget_s: float, now: float | None = None) -> int:
-    """Add up due tasks until the budget is spent; returns how many were."""
+    """Add up due tasks until the budget is spent (checked between tasks; one task reads at
+    most FILE_MAX of each file); returns how many were. A task that cannot be added up
+    (damaged records, a file too long) is stored as unknown, never retried every cycle."""
     now = ledger.clock() if now is None else now
     tasks = due(ledger, exp_ids, now)
     if not tasks:
@@ -44,12 +50,19 @@ def update(ledger: Ledger, exp_ids: list[str], budget_s: float, now: float | Non
     for t in tasks:
         if done and time.monotonic() - t0 > budget_s:
             break
-        exp_id = t["experiment_id"]
-        if exp_id not in specs:
-            specs[exp_id] = json.loads((ledger.experiment(exp_id) or {}).get("spec") or "{}")
-        seen = {n: at for (_, n), at in attempt_ends_seen(ledger.task_events(exp_id, t["idx"], "attempt.state")).items()}
-        g = task_goodput(ledger.attempts(exp_id, t["idx"]), read_task(t["task_dir"]), now=now, gpus_per_node=gpus_per_node(specs[exp_id]),
-                         attempt_end_seen=seen)
-        ledger.set_goodput(exp_id, t["idx"], g.goodput, now)
+        exp_id, value = t["experiment_id"], None
+        try:
+            if exp_id not in specs:
+                specs[exp_id] = json.loads((ledger.experiment(exp_id) or {}).get("spec") or "{}")
+            rec = read_task(t["task_dir"], FILE_MAX)
+            if not rec.cut:
+                seen = {n: at for (_, n), at in attempt_ends_seen(ledger.task_events(exp_id, t["idx"], "attempt.state")).items()}
+                value = task_goodput(ledger.attempts(exp_id, t["idx"]), rec, now=now, gpus_per_node=gpus_per_node(specs[exp_id]),
+                                     attempt_end_seen=seen).goodput
+        except Exception as exc:  # one task's records never stop the watcher's cycle
+            if ledger.strict:
+                raise
+            log.warning("%s task %s: goodput not added up (%s: %s)", exp_id, t["idx"], type(exc).__name__, exc)
+        ledger.set_goodput(exp_id, t["idx"], value, now)
         done += 1
     return done

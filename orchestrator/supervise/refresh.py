@@ -280,11 +280,7 @@ def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
     write lock and ask SLURM a second time; and on a ledger other hosts see (a watcher in
     a SLURM job) that watcher must be the one writer: a login node refreshing at the same
     time would be a second host writing SQLite over the network filesystem."""
-    unwatched = [e for e in experiments if ledger.lease(lease_name(e["id"])) is None]
-    refresh(ledger, unwatched)
-    from orchestrator.report import stored
-
-    stored.update(ledger, [e["id"] for e in unwatched], stored.READER_BUDGET_S)
+    refresh(ledger, [e for e in experiments if ledger.lease(lease_name(e["id"])) is None])
 
 
 def lease_name(exp_id: str) -> str:

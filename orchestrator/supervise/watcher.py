@@ -142,6 +142,8 @@ class Watcher:
         for exp in exps:
             exp = self.ledger.experiment(exp["id"])
             if TaskState(exp["state"]).terminal:
+                if any(e["id"] == exp["id"] for e in mine):  # its tasks' final goodput, once (then none is due)
+                    stored.update(self.ledger, [exp["id"]], stored.FINAL_BUDGET_S)
                 planned = self._submissions_planned(exp)
                 if planned and observations is not None and self._lease(exp):
                     self._queue_waiting(exp, [], planned)  # a task cancelled while its job went out: that job is cancelled too
@@ -584,8 +586,6 @@ def watch(
             if on_cycle:
                 on_cycle(ids)
             ended = exp_ids is not None and all(TaskState(ledger.experiment(i)["state"]).terminal for i in ids)
-            if ended:  # every task's final figure, before leaving (a cycle adds up only a few)
-                stored.update(ledger, ids, stored.FINAL_BUDGET_S)
             if once or ended or stop.requested:
                 return ids
             deadline = time.time() + interval_s
