@@ -76,6 +76,20 @@ def test_the_breakdown_is_what_the_times_say_and_adds_up_to_the_allocation():
     assert (g.queued_s, g.requeue_queued_s, g.watcher_detection_s) == pytest.approx((5.0, 30.0, 1.5 + 1.0))
 
 
+def test_slurm_s_own_allocation_holds_the_agents_and_its_edges_are_start_up_and_shutdown():
+    runs = {"7": [(98.0, 229.0, 2), (257.0, 278.0, 2)]}  # sacct's two runs of job 7 (requeued once)
+    plain = goodput.task_goodput(ATTEMPTS, records(), now=1000.0)
+    g = goodput.task_goodput(ATTEMPTS, records(), now=1000.0, slurm_runs=runs)
+    assert g.slurm_runs == 2 and g.allocated_s == pytest.approx(131.0 + 21.0)
+    assert g.seconds["startup"] == pytest.approx(plain.seconds["startup"] + 2.0 + 1.0)
+    assert g.seconds["shutdown"] == pytest.approx(plain.seconds["shutdown"] + 1.0 + 1.0)
+    assert g.seconds["unattributed"] == pytest.approx(0.0, abs=1e-9)
+    assert g.faults[1].lost_s["startup"] == pytest.approx(plain.faults[1].lost_s["startup"] + 1.0)  # the requeue's batch start
+    assert all(a.end <= b.start + 1e-9 for a, b in zip(g.segments, g.segments[1:]))
+    # a run that does not hold the agents' span (another run, or clocks apart) is not believed
+    assert goodput.task_goodput(ATTEMPTS, records(), now=1000.0, slurm_runs={"7": [(120.0, 229.0, 2)]}).slurm_runs == 0
+
+
 def test_each_fault_is_placed_and_charged_with_what_it_cost():
     g = goodput.task_goodput(ATTEMPTS, records(), now=1000.0)
     crash, preempt = g.faults
@@ -143,7 +157,7 @@ def reported(tmp_path, monkeypatch):
     write_task_folder(tdir, records())
     home.mkdir()
     ledger = Ledger.open(home / "ledger.db")
-    ledger.create_experiment({"id": "e1", "name": "chaos", "executor": "slurm", "spec_path": "x.yaml", "run_dir": str(run),
+    ledger.create_experiment({"id": "e1", "name": "chaos", "executor": "local", "spec_path": "x.yaml", "run_dir": str(run),
                               "spec": json.dumps({"resources": {"gpus_per_task": 1, "tasks_per_node": 2}})},
                              [{"idx": 0, "params": {"optimizer.lr": "<i>1e-3</i> $\\frac{"}, "task_dir": str(tdir)}])
     for a in ATTEMPTS:

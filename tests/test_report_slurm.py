@@ -100,9 +100,16 @@ def test_the_report_of_a_chaos_run_adds_up_and_renders_in_a_browser(chaos_run, h
     assert [f["resumed_step"] for f in task["faults"]] == resumed, (task["faults"], resumed)
     assert [a["failure"] for a in ledger.attempts(exp_id, 0)] == ["preemption", "node_failure", None]
 
-    # the breakdown adds up to the allocation (within 2 %), and the lost work is the steps
-    # recomputed times the step time (within 10 %)
+    # the allocation is SLURM's own (sacct, every run of the requeued job), and the
+    # breakdown adds up to it (within 2 %); the lost work is the steps recomputed times
+    # the step time (within 10 %)
     alloc = g["allocated_s"]
+    assert g["allocation_from"] == "sacct"
+    jobs = sorted({a["job_id"] for a in ledger.attempts(exp_id, 0)})
+    spans = [ln.split("|") for ln in slurm_run("sacct", "-D", "-X", "-n", "-P", "-j", ",".join(jobs), "--format=Start,End").split()]
+    stamp = lambda text: time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))  # noqa: E731
+    slurm_s = sum(stamp(end) - stamp(start) for start, end in spans)
+    assert len(spans) == 3 and abs(alloc - slurm_s) <= 0.02 * slurm_s, (alloc, slurm_s, spans)
     assert abs(sum(g["seconds"].values()) - alloc) <= 1e-6 * alloc
     assert abs(g["seconds"]["unattributed"]) <= 0.02 * alloc, g
     recomputed = sum(f["step"] - f["resumed_step"] for f in task["faults"])

@@ -54,6 +54,25 @@ def test_both_schedulers_implement_the_whole_interface():
     assert SlurmScheduler.capabilities.tells_why_stopped and not LocalScheduler.capabilities.tells_why_stopped
 
 
+def test_allocations_are_sacct_s_runs_of_each_job_and_nothing_without_accounting():
+    import time
+
+    sacct = ("7|7|REQUEUED|0:0|0:0|n[1-2]|2026-11-26T10:00:00|2026-11-26T10:02:00|low\n"
+             "7|7|COMPLETED|0:0|0:0|n[3-4]|2026-11-26T10:02:30|2026-11-26T10:03:00|low\n"
+             "8_1|9|RUNNING|0:0|0:0|n1|2026-11-26T10:05:00|Unknown|debug\n"
+             "8_2|10|PENDING|0:0|0:0|None assigned|Unknown|Unknown|debug\n")
+    runner = FakeRunner({"sacct": sacct})
+    runs = SlurmScheduler(runner).allocations(["7", "8_1", "8_2", ""])
+    at = lambda s: time.mktime(time.strptime(s, "%Y-%m-%dT%H:%M:%S"))  # noqa: E731
+    assert runs == {"7": [(at("2026-11-26T10:00:00"), at("2026-11-26T10:02:00"), 2), (at("2026-11-26T10:02:30"), at("2026-11-26T10:03:00"), 2)],
+                    "8_1": [(at("2026-11-26T10:05:00"), None, 1)]}
+    argv = runner.calls[0]
+    assert argv[:2] == ["sacct", "-D"] and argv[argv.index("-j") + 1] == "7,8"
+    disabled = CommandError(["sacct"], 1, "", "Slurm accounting storage is disabled\n")
+    assert SlurmScheduler(FakeRunner({"sacct": disabled})).allocations(["7"]) == {}
+    assert LocalScheduler().allocations(["7"]) == {}
+
+
 def test_unknown_executor_is_a_user_error():
     with pytest.raises(UserError, match="unknown executor 'pbs'; use one of: slurm, local"):
         get_scheduler("pbs")

@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
 from orchestrator.supervise import refresh
+
+log = logging.getLogger(__name__)
+
+
+def _slurm_runs(ledger, exp: dict) -> dict:
+    """SLURM's account of the experiment's jobs, one sacct call; {} where it has none (the
+    agents' records stand in)."""
+    if exp["executor"] != "slurm":
+        return {}
+    from orchestrator.errors import SchedulerError
+    from orchestrator.scheduler import get_scheduler
+    from orchestrator.scheduler.commands import CommandError
+
+    try:
+        return get_scheduler("slurm").allocations([a["job_id"] for a in ledger.attempts(exp["id"]) if a.get("job_id")])
+    except (CommandError, SchedulerError) as exc:
+        log.warning("sacct did not answer (%s): the allocation is the agents' records", exc)
+        return {}
 
 
 def cmd_report(args) -> int:
@@ -17,7 +36,7 @@ def cmd_report(args) -> int:
     ledger = access.open_ledger(access.home_dir(args.home))
     exp = access.resolve_experiment(ledger, args.experiment)[0]
     refresh.for_reader(ledger, [exp])
-    doc = experiment_report(ledger, ledger.experiment(exp["id"]))
+    doc = experiment_report(ledger, ledger.experiment(exp["id"]), slurm_runs=_slurm_runs(ledger, exp))
     if args.json:
         print(json.dumps(doc, indent=2, allow_nan=False))
         return 0

@@ -42,15 +42,16 @@ def _summary(g: goodput.TaskGoodput) -> dict:
         "allocated_s": g.allocated_s, "node_hours": g.node_s / HOUR, "gpu_hours": g.gpu_s / HOUR, "goodput": g.goodput,
         "seconds": dict(g.seconds), "queued_s": g.queued_s, "requeue_queued_s": g.requeue_queued_s,
         "watcher_detection_s": g.watcher_detection_s, "steps_recomputed": g.steps_recomputed, "step_time_s": g.step_time_s,
+        "allocation_from": "sacct" if g.slurm_runs else "agents",
     }
 
 
-def task_report(ledger: Ledger, exp: dict, task: dict, events: list[dict], now: float) -> dict:
+def task_report(ledger: Ledger, exp: dict, task: dict, events: list[dict], now: float, slurm_runs: dict | None = None) -> dict:
     spec = json.loads(exp.get("spec") or "{}")
     rec = read_task(task["task_dir"])
     attempts = ledger.attempts(exp["id"], task["idx"])
     seen = {n: t for (i, n), t in attempt_ends_seen(events).items() if i == task["idx"]}
-    g = goodput.task_goodput(attempts, rec, now=now, gpus_per_node=gpus_per_node(spec), attempt_end_seen=seen)
+    g = goodput.task_goodput(attempts, rec, now=now, gpus_per_node=gpus_per_node(spec), attempt_end_seen=seen, slurm_runs=slurm_runs)
     pass_of = {lr.key: i for i, lr in enumerate(rec.launches)}
     points = [{"step": m["step"], "time": m["time"], "loss": m.get("loss"), "eval_loss": m.get("eval_loss"),
                "throughput": m.get("throughput"), "launch": m["launch"], "generation": m["generation"],
@@ -89,10 +90,11 @@ def _totals(tasks: list[dict]) -> dict:
     return tot
 
 
-def experiment_report(ledger: Ledger, exp: dict, now: float | None = None) -> dict:
+def experiment_report(ledger: Ledger, exp: dict, now: float | None = None, slurm_runs: dict | None = None) -> dict:
+    """``slurm_runs``: sacct's runs of the experiment's jobs (``SlurmScheduler.allocations``)."""
     now = time.time() if now is None else now
     events = ledger.events(exp["id"])
-    tasks = [task_report(ledger, exp, t, events, now) for t in ledger.tasks(exp["id"])]
+    tasks = [task_report(ledger, exp, t, events, now, slurm_runs) for t in ledger.tasks(exp["id"])]
     keys = sorted({k for t in tasks for k in t["params"]})
     return json_safe({
         "experiment": {k: exp.get(k) for k in ("id", "name", "state", "executor", "created_at", "updated_at")},

@@ -69,6 +69,7 @@ class TaskGoodput:
     requeue_queued_s: float = 0.0  # before each later attempt
     watcher_detection_s: float = 0.0  # SLURM's end of an attempt to the ledger's recording it
     steps_recomputed: int = 0
+    slurm_runs: int = 0  # launches whose allocation is sacct's (the others: the agents' records)
     step_time_s: float | None = None
     faults: list[Fault] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
@@ -256,21 +257,48 @@ def _launch_end(lr: LaunchRecord, att: dict | None, seen: dict, nxt: LaunchRecor
     return max(end, lr.started)
 
 
+def _slurm_span(lr: LaunchRecord, end: float, slurm_runs: dict, now: float) -> tuple[float, float] | None:
+    """SLURM's start and end of this launch's run (sacct's run number ``restart_count`` of its
+    job), where it holds the agents' span (sacct's times are whole seconds)."""
+    runs = slurm_runs.get(lr.job_id) or []
+    if lr.restart_count >= len(runs):
+        return None
+    start, stop, _ = runs[lr.restart_count]
+    stop = now if stop is None else stop
+    if start > lr.started + 1.0 or stop < end - 1.0:  # not this run (or clocks apart): the agents' records
+        return None
+    return min(start, lr.started), max(stop, end)
+
+
 def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per_node: int = 0,
-                 attempt_end_seen: dict[int, float] | None = None) -> TaskGoodput:
+                 attempt_end_seen: dict[int, float] | None = None, slurm_runs: dict | None = None) -> TaskGoodput:
     """``attempts``: the ledger's rows of one task, oldest first. ``attempt_end_seen``:
-    attempt number -> when the ledger recorded its end (the watcher's detection)."""
+    attempt number -> when the ledger recorded its end (the watcher's detection).
+    ``slurm_runs``: job id -> sacct's runs (start, end, nodes), oldest first: the allocation
+    is then SLURM's, and its time before the agents' start and after their end is
+    start-up and shutdown (the batch script's)."""
     out = TaskGoodput(step_time_s=step_time(rec.metrics))
     seen = attempt_end_seen or {}
     by_launch = {a.get("launch"): a for a in attempts if a.get("launch")}
     chain: list[tuple[_Gen, dict | None]] = []
+    before: dict[str, float] = {}  # launch -> SLURM's time before its agents started (the batch script's)
     for i, lr in enumerate(rec.launches):
         att = by_launch.get(lr.key)
         end = _launch_end(lr, att, seen, rec.launches[i + 1] if i + 1 < len(rec.launches) else None, now)
-        chain += [(g, att) for g in _generations(lr, end, rec)]
-        out.allocated_s += end - lr.started
-        out.node_s += (end - lr.started) * max(len(lr.nodes), 1)
-        out.gpu_s += (end - lr.started) * max(len(lr.nodes), 1) * gpus_per_node
+        gens = _generations(lr, end, rec)
+        chain += [(g, att) for g in gens]
+        begin = lr.started
+        if (span := _slurm_span(lr, end, slurm_runs or {}, now)) is not None:
+            out.slurm_runs += 1
+            begin, stop = span
+            before[lr.key] = lr.started - begin
+            out.seconds["startup"] += lr.started - begin
+            out.seconds["shutdown"] += stop - end
+            out.segments += [Segment(begin, lr.started, "startup", lr.key, 0, lr.nodes), Segment(end, stop, "shutdown", lr.key, len(gens) - 1, lr.nodes)]
+            end = stop
+        out.allocated_s += end - begin
+        out.node_s += (end - begin) * max(len(lr.nodes), 1)
+        out.gpu_s += (end - begin) * max(len(lr.nodes), 1) * gpus_per_node
     for i, (gen, att) in enumerate(chain):
         nxt = chain[i + 1][0] if i + 1 < len(chain) else None
         trained = next((g.start_step for g, _ in chain[i + 1:] if g.start_step is not None), None)
@@ -291,7 +319,8 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
             started = _started(nxt, out.step_time_s)
             if started is not None:
                 load = ((nxt.event("checkpoint.resumed") or {}).get("load_s") or 0.0) if nxt.event("train.started") else 0.0
-                fault.lost_s["startup"] = max(_clamp(started, nxt.begin, nxt.end) - nxt.begin - load, 0.0)
+                fault.lost_s["startup"] = max(_clamp(started, nxt.begin, nxt.end) - nxt.begin - load, 0.0) + (
+                    before.get(nxt.launch.key, 0.0) if nxt.number == 0 else 0.0)
                 fault.lost_s["checkpoint_load"] = load
         out.faults.append(fault)
     for prev, att in zip(attempts, attempts[1:]):
@@ -303,4 +332,5 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
         if a.get("ended_at") and a.get("number") in seen:
             out.watcher_detection_s += max(seen[a["number"]] - a["ended_at"], 0.0)
     out.seconds["unattributed"] = out.allocated_s - sum(v for k, v in out.seconds.items() if k != "unattributed")
+    out.segments.sort(key=lambda seg: seg.start)
     return out

@@ -89,6 +89,10 @@ class Scheduler(Protocol):
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
         """One batched look at every job in ``refs``; jobs it cannot see are left out."""
 
+    def allocations(self, job_ids: list[str]) -> dict[str, list[tuple[float, float | None, int]]]:
+        """The scheduler's own account of each run of these jobs, oldest first: (start, end or
+        None, nodes); {} where it keeps none (the report uses the agents' records)."""
+
     def cancel(self, refs: list[JobRef]) -> None:
         """Ask the scheduler to stop these jobs."""
 

@@ -103,6 +103,9 @@ class LocalScheduler:
             log.warning("notify.email is SLURM's mail: the local executor sends none (the webhook, if any, still works)")
         return _start_driver(plan.run_dir, [t.index for t in plan.tasks], plan.max_parallel)
 
+    def allocations(self, job_ids: list[str]) -> dict[str, list[tuple[float, float | None, int]]]:
+        return {}  # no accounting: the agents' records are the allocation
+
     def poll(self, refs: list[JobRef]) -> dict[str, Observation]:
         out: dict[str, Observation] = {}
         drivers: dict[Path, bool] = {}

@@ -28,7 +28,7 @@ from orchestrator.errors import SchedulerError, UserError
 from orchestrator.scheduler import commands
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 from orchestrator.scheduler.site_limits import Room, SiteLimits, Split, parse_config_limits, parse_max_submit, room, split
-from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, by_key, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
+from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, by_key, history, local_time, observe, parse_job_id, parse_sacct, parse_scontrol_jobs, parse_squeue
 from orchestrator.states import AttemptState
 
 if TYPE_CHECKING:
@@ -230,6 +230,28 @@ class SlurmScheduler:
             out = {k: dataclasses.replace(o, history=False) for k, o in out.items()}
             out.update(lost(refs, out, time.time()))
         return out
+
+    def allocations(self, job_ids: list[str]) -> dict[str, list[tuple[float, float | None, int]]]:
+        """SLURM's own account of each run of these jobs (sacct -D: a requeued job has one a
+        run), oldest first: (start, end or None while running, nodes). Empty without
+        accounting; the report then uses its agents' records."""
+        jobs = sorted({parse_job_id(j).job for j in job_ids if j}, key=int)
+        if not jobs or self.accounting is False:
+            return {}
+        try:
+            out = self.runner.query(["sacct", "-D", "-X", "-n", "-P", "--format=" + ",".join(SACCT_FIELDS), "-j", ",".join(jobs)],
+                                    timeout=QUERY_TIMEOUT_S)
+        except commands.CommandError as exc:
+            if NO_ACCOUNTING in exc.stderr + exc.stdout:
+                return {}
+            raise
+        runs: dict[str, list[tuple[float, float | None, int]]] = {}
+        for key, records in history(parse_sacct(out.stdout)).items():
+            for r in records:
+                start = local_time(r.start or "")
+                if start is not None:
+                    runs.setdefault(key, []).append((start, local_time(r.end or ""), len(r.nodes)))
+        return runs
 
     def cancel(self, refs: list[JobRef]) -> None:
         if refs:

@@ -206,8 +206,8 @@ class SqueueRecord:
     started_at: float | None = None  # when the current run started (None while pending)
 
 
-def _local_time(text: str) -> float | None:
-    """squeue's ``%S`` (local time, ISO, or ``N/A``) as epoch seconds."""
+def local_time(text: str) -> float | None:
+    """squeue's ``%S`` and sacct's Start/End (local time, ISO, or ``N/A``/``Unknown``) as epoch seconds."""
     try:
         return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
     except ValueError:
@@ -222,7 +222,7 @@ def parse_squeue(text: str) -> list[SqueueRecord]:
         if line.startswith("#") or len(parts) not in (4, 5):
             continue
         state, _ = translate_state(parts[1])
-        started = _local_time(parts[4]) if len(parts) == 5 and state != AttemptState.PENDING else None
+        started = local_time(parts[4]) if len(parts) == 5 and state != AttemptState.PENDING else None
         out.append(SqueueRecord(parse_job_id(parts[0]), state, parts[2], tuple(expand_hostlist(parts[3])) if parts[3] else (), started))
     return out
 
