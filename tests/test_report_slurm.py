@@ -109,7 +109,7 @@ def test_the_report_of_a_chaos_run_adds_up_and_renders_in_a_browser(chaos_run, h
     spans = [ln.split("|") for ln in slurm_run("sacct", "-D", "-X", "-n", "-P", "-j", ",".join(jobs), "--format=Start,End").split()]
     stamp = lambda text: time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))  # noqa: E731
     slurm_s = sum(stamp(end) - stamp(start) for start, end in spans)
-    assert len(spans) == 3 and abs(alloc - slurm_s) <= 0.02 * slurm_s, (alloc, slurm_s, spans)
+    assert len(spans) == 3 and abs(alloc - slurm_s) <= 1.0 * len(spans), (alloc, slurm_s, spans)  # sacct: whole seconds
     assert abs(sum(g["seconds"].values()) - alloc) <= 1e-6 * alloc
     assert abs(g["seconds"]["unattributed"]) <= 0.02 * alloc, g
     recomputed = sum(f["step"] - f["resumed_step"] for f in task["faults"])
