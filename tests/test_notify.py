@@ -35,6 +35,8 @@ class Hook:
         self.statuses: list[int] = []  # answered in turn; then 200
         self.sleep_s = 0.0
         self.location: str | None = None  # answer a redirect there
+        self.reason: str | None = None  # the reason phrase of a status other than 200 ({path} and {host}: the request's)
+        self.headers: dict[str, str] = {}  # sent with a status other than 200
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,9 +46,12 @@ class Hook:
                 hook.requests.append({"path": self.path, "type": self.headers.get("Content-Type"), "body": json.loads(body),
                                       "status": status})
                 time.sleep(hook.sleep_s)
-                self.send_response(status)
+                reason = hook.reason.format(path=self.path, host=self.headers.get("Host")) if hook.reason and status != 200 else None
+                self.send_response(status, reason)
                 if status == 302:
                     self.send_header("Location", hook.location)
+                for name, value in (hook.headers.items() if status != 200 else ()):
+                    self.send_header(name, value)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -132,7 +137,8 @@ def test_one_message_per_configured_event_and_none_twice(tmp_path, hook):
     ledger.event("e1", "attempt.restarted", "rank 1 died: restarting in place", idx=2, attempt=1)  # recovered
     for kind in sorted(triggers.NEEDS_ATTENTION_KINDS):
         ledger.event("e1", kind, f"test: {kind}", idx=2)
-    for kind in ("hang.detected", "scheduler.reachable", "queue.waiting", "record.skipped", "checkpoint.committed"):
+    for kind in ("hang.detected", "scheduler.reachable", "queue.waiting", "record.skipped", "checkpoint.committed",
+                 "ledger.illegal_transition"):  # an internal bug signal that may repeat each cycle: no flood
         ledger.event("e1", kind, f"test: {kind}", idx=2)  # none of these is a trigger
     moves(ledger, "e1", 1, "COMPLETED")
     moves(ledger, "e1", 2, "RUNNING", "COMPLETED")  # the experiment ends FAILED: needs_attention
@@ -165,7 +171,7 @@ def test_one_message_per_configured_event_and_none_twice(tmp_path, hook):
 
     sent = kinds(ledger, "e1") + kinds(ledger, "e2")
     assert [e["kind"] for e in sent] == ["notify.sent"] * len(bodies)
-    assert all(hook.url not in e["cause"] and "secret" not in e["cause"] for e in sent)  # a webhook URL is a secret
+    assert leaks(ledger, "e1", "secret", hook.url.split("/")[2]) == leaks(ledger, "e2", "secret") == []  # a webhook URL is a secret
     assert f"failed notification of event {event['id']} delivered (HTTP 200)" in [e["cause"] for e in sent]
     rows = ledger.notifications("e1") + ledger.notifications("e2")
     assert {r["state"] for r in rows} == {"SENT"} and len(rows) == len(bodies)
@@ -202,11 +208,14 @@ def test_pending_notifications_of_ended_experiments_go_out_with_the_next_watcher
     moves(ledger, "p1", 0, "RUNNING", "COMPLETED")
     env = {}  # the first watcher lacks the variable: the row waits
     first = Notifier(ledger, "first", env=env)
-    first.cycle(["p1"])
+    for _ in range(3):
+        first.cycle(["p1"])
+        assert ledger.lease(outbox.LEASE + "p1") is None  # a watcher that cannot send takes no lease
+        clock.t += outbox.BACKOFF_MAX_S
     first.close()
     (row,) = ledger.notifications("p1")
-    assert row["state"] == "PENDING" and row["attempts"] == 1 and "$HOOK_URL is not set" in row["last_error"]
-    assert [e["kind"] for e in kinds(ledger, "p1")] == ["notify.failed"]
+    assert row["state"] == "PENDING" and row["attempts"] == 0 and "$HOOK_URL is not set" in row["last_error"]  # no attempt counted
+    assert [e["kind"] for e in kinds(ledger, "p1")] == ["notify.failed"]  # once per distinct problem
     # `orchestrate watch` of everything: p1 is no longer live, its notification still goes out,
     # at once (a watcher that starts tries what is pending, backoff or not)
     second = Notifier(ledger, "second", env={"HOOK_URL": hook.url})
@@ -466,3 +475,356 @@ def test_the_message_is_one_escaped_line():
                                                          "cause": "boom <!channel>\nline two & more"}, "needs_attention")
     assert msg["text"] == "orchestrate: demo (e1) task 3: needs attention: boom &lt;!channel&gt; line two &amp; more"
     assert msg["orchestrate"]["cause"] == "boom <!channel> line two & more"
+
+
+# ---------------------------------------------------------------- review fixes: a URL is a secret everywhere
+
+
+SECRET_PARTS = ("TOPSECRET", "T0/B0")
+
+
+def leaks(ledger, exp_id, *parts):
+    """Every notify event's cause and every row's last error that shows one of ``parts``."""
+    texts = [e["cause"] for e in kinds(ledger, exp_id)] + [r["last_error"] or "" for r in ledger.notifications(exp_id)]
+    return [t for t in texts if any(p in t for p in parts)]
+
+
+@pytest.mark.parametrize("url, words", [
+    ("https://u:TOPSECRET@hooks.example.org/services/x", "user name or password"),
+    ("https://TOPSECRET@hooks.example.org/services/x", "user name or password"),
+    ("https://hooks.example.org/services/TOPSECRET\u00e9", "not ASCII"),
+    ("https://h\u00f6oks.example.org/services/TOPSECRET", "not ASCII"),
+])
+def test_a_url_with_a_user_or_not_ascii_is_refused_without_repeating_it(tmp_path, url, words):
+    from orchestrator.notify.webhook import url_problem
+
+    problem = url_problem(url)
+    assert problem and words in problem and "TOPSECRET" not in problem
+    (issue,) = issues_of(tmp_path, f"  webhook: '{url}'\n")
+    assert issue.path == "notify.webhook" and words in issue.message and "TOPSECRET" not in issue.message
+    # in the variable `webhook_env` names: found when sending, recorded without the URL, nothing posted
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    experiment(ledger, "u1", {"webhook_env": "HOOK_URL", "on": ALL, "timeout_s": 5.0})
+    ledger.event("u1", "watcher.failed", "test: boom", idx=0)
+    n = Notifier(ledger, "w", env={"HOOK_URL": url})
+    n.cycle(["u1"])
+    assert not n.in_flight and ledger.lease(outbox.LEASE + "u1") is None
+    (row,) = ledger.notifications("u1")
+    assert row["attempts"] == 0 and words in row["last_error"] and "$HOOK_URL" in row["last_error"]
+    assert leaks(ledger, "u1", "TOPSECRET") == [] and [e["kind"] for e in kinds(ledger, "u1")] == ["notify.failed"]
+
+
+def test_post_never_quotes_a_url_http_client_refuses():
+    from orchestrator.notify import webhook
+
+    for url in ("http://u:TOPSECRET@localhost/services/x", "http://127.0.0.1:1/services/TOPSECRET\u00e9"):
+        outcome = webhook.post(webhook.Job(1, url, b"{}", 2.0))  # past the checks (a bug, or a future urllib)
+        assert outcome.error and "TOPSECRET" not in outcome.error, outcome
+    url = "http://user:TOPSECRET@127.0.0.1:9/services/T0/B0/x?token=TOPSECRETQ"
+    text = webhook._scrub(f"at {url}: user:TOPSECRET@127.0.0.1:9 said no to /services/T0/B0/x and token=TOPSECRETQ", url)
+    assert "TOPSECRET" not in text and "T0/B0" not in text and "<webhook>" in text
+
+
+def test_no_event_nor_row_error_shows_the_url_whatever_the_server_answers(tmp_path, hook):
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    url = hook.url.replace("secret", "TOPSECRET") + "?token=TOPSECRETQ"
+    host = url.split("/")[2]
+    experiment(ledger, "k1", {"webhook": url, "on": ALL, "timeout_s": 5.0})
+    hook.reason = "no such hook {path} at {host}"  # a server that quotes the request back
+    hook.statuses = [500, 404]
+    ledger.event("k1", "watcher.failed", "test: one", idx=0)
+    n = Notifier(ledger, "w")
+    n.cycle(["k1"])
+    settle(n)
+    clock.t += outbox.backoff_s(1)
+    n.cycle(["k1"])
+    settle(n)
+    assert [e["kind"] for e in kinds(ledger, "k1")] == ["notify.failed", "notify.dropped"]
+    assert "HTTP 500" in kinds(ledger, "k1")[0]["cause"] and "HTTP 404" in ledger.notifications("k1")[0]["last_error"]
+    assert leaks(ledger, "k1", *SECRET_PARTS, host, "TOPSECRETQ") == []
+
+
+def test_set_items_of_the_webhook_are_never_shown_and_errors_name_their_own_item(tmp_path):
+    p = write(tmp_path / "n.yaml", "name: x\nsteps: 1\n")
+
+    def issues(*sets):
+        with pytest.raises(SpecError) as exc:
+            load_spec(p, list(sets))
+        return exc.value.issues
+
+    (issue,) = issues("notify.webhook=ftp://hooks.example.org/TOPSECRETKEY")
+    assert issue.source == "--set" and "'notify.webhook=<hidden>'" in issue.message and "TOPSECRET" not in issue.message
+    (issue,) = issues("notify={webhook: 'ftp://hooks.example.org/TOPSECRETKEY'}")
+    assert "TOPSECRET" not in issue.message
+    (issue,) = issues("notify.webhook=https://hooks.example.org/TOPSECRETKEY", "notify.timeout_s=600")
+    assert issue.path == "notify.timeout_s" and "'notify.timeout_s=600'" in issue.message and "TOPSECRET" not in issue.message
+    (issue,) = issues("notify.webhook=https://hooks.example.org/TOPSECRETKEY", "notify.webhook.x=1")  # an item's own error
+    assert "TOPSECRET" not in issue.message
+    (issue,) = issues("notify.webhook:https://hooks.example.org/TOPSECRETKEY")  # not key=value: the item is the URL
+    assert "TOPSECRET" not in issue.message + issue.path
+    (issue,) = issues("notify.webhook_env=https://hooks.example.org/TOPSECRETKEY")
+    assert issue.path == "notify.webhook_env" and "is a URL" in issue.message and "TOPSECRET" not in issue.message
+
+
+def test_a_url_given_as_webhook_env_is_not_repeated(tmp_path, home):
+    (issue,) = issues_of(tmp_path, "  webhook_env: 'https://hooks.example.org/services/TOPSECRET'\n")
+    assert issue.path == "notify.webhook_env" and "is a URL" in issue.message and "TOPSECRET" not in issue.message
+    p = write(tmp_path / "bad.yaml", "name: x\nsteps: 1\nnotify:\n  webhook_env: https://hooks.example.org/services/TOPSECRET\n")
+    out = cli("validate", str(p), "--set", "notify.webhook=ftp://x/TOPSECRETKEY", home=home)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "TOPSECRET" not in out.stderr + out.stdout, out.stderr
+
+
+# ---------------------------------------------------------------- review fixes: who sends, and when
+
+
+def test_a_watcher_sends_only_for_what_it_watches_and_gives_the_lease_back(tmp_path, hook):
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    experiment(ledger, "v1", {"webhook": hook.url, "on": ALL, "timeout_s": 5.0})
+    ledger.event("v1", "watcher.failed", "test: one", idx=0)
+    assert ledger.acquire_lease("watch:v1", "other-watcher", 30.0)
+    mine = Notifier(ledger, "mine")
+    mine.cycle(["v1"], backlog=True)
+    settle(mine)
+    assert hook.requests == [] and ledger.notifications("v1") == [] and ledger.lease(outbox.LEASE + "v1") is None
+    ledger.release_lease("watch:v1", "other-watcher")  # the experiment ended: nobody watches it
+    mine.cycle(["v1"])
+    settle(mine)
+    assert len(hook.delivered()) == 1
+    assert ledger.lease(outbox.LEASE + "v1") is None  # its outcome recorded: the lease is given back
+    assert ledger.acquire_lease("watch:v1", "mine", 30.0)  # and the one it watches itself
+    ledger.event("v1", "watcher.failed", "test: two", idx=0)
+    mine.cycle(["v1"])
+    settle(mine)
+    assert len(hook.delivered()) == 2
+
+
+class Gate:
+    """A sender's send that waits until opened, then answers 200 (or runs ``then``)."""
+
+    def __init__(self):
+        self.open = threading.Event()
+        self.sent: list[int] = []
+
+    def __call__(self, job):
+        from orchestrator.notify.webhook import Outcome
+
+        assert self.open.wait(30)
+        self.sent.append(job.row_id)
+        return Outcome(job.row_id, status=200)
+
+
+def test_the_notify_lease_lasts_while_a_batch_is_under_way(tmp_path):
+    from orchestrator.notify.webhook import Sender
+
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    experiment(ledger, "t1", {"webhook": "http://127.0.0.1:9/hook", "on": ALL, "timeout_s": 5.0})
+    ledger.event("t1", "watcher.failed", "test: one", idx=0)
+    gate = Gate()
+    a = Notifier(ledger, "a", sender=Sender(gate))
+    a.cycle(["t1"])
+    assert a.in_flight
+    for _ in range(5):  # far past the lease's first time to live: each cycle renews it
+        clock.t += outbox.LEASE_S
+        a.cycle(["t1"])
+        assert ledger.lease(outbox.LEASE + "t1")["owner"] == "a"
+    b = Notifier(ledger, "b", sender=Sender(Gate()))
+    b.cycle(["t1"])
+    assert not b.in_flight
+    gate.open.set()
+    settle(a)
+    assert gate.sent == [ledger.notifications("t1")[0]["id"]] and ledger.lease(outbox.LEASE + "t1") is None
+
+
+def test_a_post_has_a_wall_clock_deadline_against_a_server_that_drips(tmp_path):
+    import socket as socketlib
+
+    from orchestrator.notify import webhook
+
+    server = socketlib.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    stop = threading.Event()
+
+    def drip():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nX-Padding: " + b"x" * 200:  # a byte each 0.1 s: no socket read times out
+                if stop.is_set():
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        start = time.monotonic()
+        outcome = webhook.post(webhook.Job(1, f"http://127.0.0.1:{server.getsockname()[1]}/hook", b"{}", 1.0))
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        server.close()
+    assert outcome.error and "timed out" in outcome.error and not outcome.permanent
+    assert took < 10.0  # the drip lasts 20 s; the deadline is 1 s (loose: a loaded machine)
+
+
+def test_a_new_watcher_keeps_the_backoff_of_what_failed(tmp_path):
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    experiment(ledger, "b1", {"webhook": f"http://127.0.0.1:{free_port()}/hook", "on": ALL, "timeout_s": 5.0})
+    ledger.event("b1", "watcher.failed", "test: one", idx=0)
+    first = Notifier(ledger, "w0")
+    first.cycle(["b1"])
+    settle(first)
+    first.close()
+    assert [r["attempts"] for r in ledger.notifications("b1")] == [1]
+    for i in range(25):  # `watch --once` again and again, within the backoff: nothing is tried, nothing dropped
+        n = Notifier(ledger, f"w{i + 1}")
+        n.cycle(["b1"])
+        settle(n)
+        n.close(grace_s=0.5)
+    (row,) = ledger.notifications("b1")
+    assert (row["state"], row["attempts"]) == ("PENDING", 1)
+
+
+def test_a_new_watcher_tries_at_once_what_waited_for_a_url(tmp_path, hook):
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    experiment(ledger, "b2", {"webhook_env": "HOOK_URL", "on": ALL, "timeout_s": 5.0}, n=2)
+    ledger.event("b2", "watcher.failed", "test: one", idx=0)
+    n = Notifier(ledger, "w1", env={})
+    n.cycle(["b2"])
+    (row,) = ledger.notifications("b2")
+    assert row["attempts"] == 0 and "is not set" in row["last_error"]
+    # as the first version left such a row: attempts counted, in backoff
+    ledger.update_notification(row["id"], attempts=3, next_at=clock.t + 3600)
+    ledger.event("b2", "watcher.failed", "test: two", idx=1)
+    n = Notifier(ledger, "w2", env={"HOOK_URL": hook.url})  # the variable set: both tried at once, backoff or not
+    n.cycle(["b2"])
+    settle(n)
+    assert len(hook.delivered()) == 2 and [r["state"] for r in ledger.notifications("b2")] == ["SENT", "SENT"]
+
+
+def test_exit_sends_what_was_enqueued_while_a_batch_was_under_way(tmp_path, hook):
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    experiment(ledger, "c1", {"webhook": hook.url, "on": ALL, "timeout_s": 5.0})
+    ledger.event("c1", "watcher.failed", "test: one", idx=0)
+    hook.sleep_s = 0.5
+    n = Notifier(ledger, "w")
+    n.cycle(["c1"])
+    assert n.in_flight
+    ledger.event("c1", "experiment.state", "test: completed", old="RUNNING", new="COMPLETED")
+    n.cycle(["c1"])  # enqueued, not sent: the batch is under way
+    assert {r["state"] for r in ledger.notifications("c1")} == {"PENDING"} and len(ledger.notifications("c1")) == 2
+    n.close(grace_s=20.0)
+    assert [r["state"] for r in ledger.notifications("c1")] == ["SENT", "SENT"]
+    assert [b["orchestrate"]["trigger"] for b in hook.delivered()] == ["needs_attention", "completed"]
+
+
+def test_exit_says_what_is_left_pending(tmp_path, caplog):
+    from orchestrator.notify.webhook import Sender
+
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    experiment(ledger, "c2", {"webhook": "http://127.0.0.1:9/hook", "on": ALL, "timeout_s": 5.0})
+    ledger.event("c2", "watcher.failed", "test: one", idx=0)
+    gate = Gate()
+    n = Notifier(ledger, "w", sender=Sender(gate))
+    n.cycle(["c2"])
+    ledger.event("c2", "watcher.failed", "test: two", idx=0)
+    n.cycle(["c2"])
+    with caplog.at_level("WARNING", logger="orchestrator.notify.outbox"):
+        n.close(grace_s=0.2)
+    gate.open.set()
+    assert "2 notifications still pending; `orchestrate watch` sends them" in caplog.text
+    assert ledger.lease(outbox.LEASE + "c2") is None
+
+
+# ---------------------------------------------------------------- review fixes: the smaller ones
+
+
+def test_an_illegal_transition_is_no_trigger():
+    assert "ledger.illegal_transition" not in triggers.NEEDS_ATTENTION_KINDS
+    assert triggers.trigger_of({"kind": "ledger.illegal_transition"}) is None
+
+
+@pytest.mark.parametrize("status, retry_after, wait", [
+    (429, "600", 600.0),  # the server's word, longer than the backoff
+    (429, "99999999", outbox.BACKOFF_MAX_S),  # capped
+    (503, "5", outbox.backoff_s(1)),  # shorter than the backoff: the backoff stands
+    (408, None, outbox.backoff_s(1)),
+    (425, "Wed, 21 Oct 2015 07:28:00 GMT", outbox.backoff_s(1)),  # the date form is not read
+])
+def test_retryable_refusals_and_retry_after(tmp_path, hook, status, retry_after, wait):
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", clock=clock)
+    experiment(ledger, "r2", {"webhook": hook.url, "on": ALL, "timeout_s": 5.0}, n=2)
+    for i in range(2):
+        ledger.event("r2", "watcher.failed", f"test: {i}", idx=i)
+    hook.statuses = [status]
+    hook.headers = {"Retry-After": retry_after} if retry_after else {}
+    n = Notifier(ledger, "w")
+    n.cycle(["r2"])
+    settle(n)
+    rows = ledger.notifications("r2")
+    assert [(r["state"], r["attempts"], r["next_at"]) for r in rows] == [("PENDING", 1, clock.t + wait)] * 2
+    assert len(hook.requests) == 1 and f"HTTP {status}" in rows[0]["last_error"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sender_thread_that_died_is_started_again(tmp_path, hook):
+    from orchestrator.notify.webhook import Sender, post
+
+    class Dies:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, job):
+            self.calls += 1
+            if self.calls == 1:
+                raise SystemExit  # not an Exception: the thread ends without a word
+            return post(job)
+
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    experiment(ledger, "z1", {"webhook": hook.url, "on": ALL, "timeout_s": 5.0})
+    ledger.event("z1", "watcher.failed", "test: one", idx=0)
+    sender = Sender(Dies())
+    n = Notifier(ledger, "w", sender=sender)
+    n.cycle(["z1"])
+    sender._thread.join(10)
+    assert n.in_flight and not sender._thread.is_alive()
+    n.cycle(["z1"])  # sees it dead: the batch is handed over again
+    settle(n)
+    assert len(hook.delivered()) == 1 and ledger.notifications("z1")[0]["state"] == "SENT"
+
+
+def test_email_only_experiments_leave_the_backlog(tmp_path):
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    experiment(ledger, "m2", {"email": "me@example.org", "on": ALL, "timeout_s": 5.0})
+    ledger.event("m2", "watcher.failed", "test: one", idx=0)
+    assert ledger.notify_backlog(outbox.CURSOR) == ["m2"]
+    Notifier(ledger, "w").cycle([], backlog=True)
+    assert ledger.notify_backlog(outbox.CURSOR) == [] and ledger.notifications("m2") == []
+
+
+def test_the_cursor_stays_where_it_was_when_enqueue_fails(tmp_path, monkeypatch):
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    experiment(ledger, "q1", {"webhook": "http://127.0.0.1:9/hook", "on": ALL, "timeout_s": 5.0})
+    ledger.event("q1", "watcher.failed", "test: one", idx=0)
+    n = Notifier(ledger, "w")
+    exp, cfg = n._experiment("q1")
+
+    def fails(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(ledger, "set_cursor", fails)  # after the rows were written, in the same transaction
+    with pytest.raises(RuntimeError):
+        n.enqueue(exp, cfg)
+    monkeypatch.undo()
+    assert ledger.cursor(outbox.CURSOR + "q1") == 0 and ledger.notifications("q1") == []
+    assert n.enqueue(exp, cfg) == 1 and ledger.cursor(outbox.CURSOR + "q1") > 0

@@ -560,6 +560,10 @@ class Ledger:
                             order_by="id desc limit 1")
         return rows[0] if rows else None
 
+    def last_event_id(self, exp_id: str) -> int:
+        """The id of the experiment's newest event (0: none)."""
+        return self.conn.execute("select coalesce(max(id), 0) from events where experiment_id = ?", [exp_id]).fetchone()[0]
+
     def last_event_of(self, exp_id: str, kinds: tuple[str, ...]) -> dict | None:
         rows = self._select("events", f"experiment_id = ? and kind in ({', '.join('?' * len(kinds))})", [exp_id, *kinds],
                             order_by="id desc limit 1")
@@ -580,9 +584,20 @@ class Ledger:
             )
             return self.conn.total_changes - before
 
-    def due_notifications(self, exp_id: str, now: float, limit: int = 100) -> list[dict]:
-        return self._select("notifications", "experiment_id = ? and state = 'PENDING' and next_at <= ?", [exp_id, now],
-                            order_by=f"id limit {int(limit)}")
+    def due_notifications(self, exp_id: str, now: float, limit: int = 100, eager_prefix: str | None = None) -> list[dict]:
+        """PENDING rows due at ``now``, oldest first; with ``eager_prefix`` also, due or not,
+        those never tried and those whose last error starts with it."""
+        where, args = "experiment_id = ? and state = 'PENDING' and (next_at <= ?", [exp_id, now]
+        if eager_prefix is not None:
+            where += " or attempts = 0 or substr(coalesce(last_error, ''), 1, ?) = ?"
+            args += [len(eager_prefix), eager_prefix]
+        return self._select("notifications", where + ")", args, order_by=f"id limit {int(limit)}")
+
+    def pending_notifications(self, exp_ids: list[str]) -> int:
+        """How many PENDING notifications the experiments have."""
+        marks = ", ".join("?" * len(exp_ids))
+        return self.conn.execute(f"select count(*) from notifications where state = 'PENDING' and experiment_id in ({marks})",
+                                 list(exp_ids)).fetchone()[0]
 
     def notification(self, row_id: int) -> dict | None:
         rows = self._select("notifications", "id = ?", [row_id])

@@ -24,8 +24,9 @@ NEEDS_ATTENTION_KINDS = frozenset({
     "refresh.failed",
     "hang.escalated",  # node agents that did not answer: stuck processes may hold nodes
     "recovery.hold_kept",  # the site refused to release SLURM's hold: the job waits its BeginTime
-    "ledger.illegal_transition",  # a bug of ours, or a stale observation
 })
+# Not ledger.illegal_transition: a bug of ours (or a stale observation) that can repeat
+# every cycle; it is logged and in the events, and a message per cycle would be a flood.
 
 LABELS = {
     "failed": "task failed",

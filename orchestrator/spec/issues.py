@@ -16,7 +16,7 @@ from orchestrator.spec.strict import FieldError
 
 
 # values an error never repeats: whoever reads them can use them (a webhook URL posts to its channel)
-SECRET_PATHS = {("notify", "webhook")}
+SECRET_PATHS = yamlsrc.SECRET_PATHS
 
 
 def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=None) -> list[SpecIssue]:
@@ -49,7 +49,7 @@ def issues_of(errors: list[dict], raw: Any, lines: dict, source: str, set_paths=
             ctx = err.get("ctx", {})
             msg = f"unknown kind {ctx.get('tag')!r}; valid kinds: {ctx.get('expected_tags')}"
         if err["type"] not in ("missing", "extra_forbidden", "union_tag_invalid") and "input" in err and not isinstance(err["input"], (dict, list)) \
-                and tuple(path) not in SECRET_PATHS:
+                and not yamlsrc.is_secret(path):
             got = yamlsrc.shorten(err["input"])
             if not (isinstance(err["input"], str) and got[:20] in msg):  # a message quoting the text says it
                 msg += f" (got {got})"

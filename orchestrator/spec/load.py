@@ -74,11 +74,11 @@ def apply_overrides(raw: dict, overrides: list[str], lines: dict | None = None) 
             path, value = parse_override(item)
             for earlier, other in done.items():
                 if earlier != path and (earlier[: len(path)] == path or path[: len(earlier)] == earlier):
-                    raise ValueError(f"conflicts with --set {yamlsrc.shorten(other)}: one sets a field inside the "
+                    raise ValueError(f"conflicts with --set {yamlsrc.shown_item(other)}: one sets a field inside the "
                                      "other; give one of them")
             set_path(raw, path, value)
         except ValueError as exc:
-            issues.append(SpecIssue(_key_of(item), None, f"{exc} (in --set {yamlsrc.shorten(item)})", "--set"))
+            issues.append(SpecIssue(_key_of(item), None, f"{exc} (in --set {yamlsrc.shown_item(item)})", "--set"))
             continue
         done[path] = item
         if lines is not None:
@@ -114,6 +114,8 @@ def parse_override(item: str) -> tuple[tuple, Any]:
 def _key_of(item: str) -> str:
     """The field an item names, for its issue (cut: the item may be anything)."""
     key = item.partition("=")[0].strip()
+    if "://" in key:  # `notify.webhook:https://...`: a URL, maybe a secret one, is no field's name
+        return ""
     return key if len(key) <= 80 and key.isprintable() else ""
 
 

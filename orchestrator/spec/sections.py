@@ -382,6 +382,9 @@ class Notify(Strict):
     @field_validator("webhook_env")
     @classmethod
     def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v:  # the URL pasted here: never repeated, it is a secret
+            raise ValueError("is a URL, not the name of an environment variable: put the URL in a variable of the "
+                             "watcher's environment (export SLACK_WEBHOOK_URL=...) and give its name here")
         if v is not None and not _ENV_NAME.fullmatch(v):
             raise ValueError(f"{slurmtext.shown(v)} is not an environment variable name (letters, digits and '_', "
                              "not starting with a digit)")

@@ -313,18 +313,47 @@ def line_of(lines: dict[Path_, int], path: Path_) -> int | None:
 
 
 def override_of(lines: dict, path: Path_) -> str | None:
-    """The `--set` item that wrote ``path``: one that set it or an ancestor, or one that
-    created the mapping holding it (a mapping on the item's path the file does not have)."""
+    """The `--set` item that wrote ``path``: the one that set it, else the one that set its
+    nearest ancestor, else one that created the mapping holding it (a mapping on the item's
+    path the file does not have; of those, the one sharing most of ``path``)."""
     path = tuple(path)
-    for p, item in getattr(lines, "overrides", {}).items():
-        if path[: len(p)] == p:
-            return item
+    overrides = getattr(lines, "overrides", {})
+    for n in range(len(path), 0, -1):
+        if path[:n] in overrides:
+            return overrides[path[:n]]
+    defaults = getattr(lines, "defaults", {})
+    best, most = None, 0
+    for p, item in overrides.items():
         common = 0
         while common < min(len(p), len(path)) and p[common] == path[common]:
             common += 1
-        if common and path[:common] not in lines and path[:common] not in getattr(lines, "defaults", {}):
-            return item
-    return None
+        if common > most and path[:common] not in lines and path[:common] not in defaults:
+            best, most = item, common
+    return best
+
+
+# Fields whose values no message repeats: whoever reads them can use them (a webhook URL
+# posts to its channel; `webhook_env` is a name, unless the URL was pasted there).
+SECRET_PATHS = frozenset({("notify", "webhook"), ("notify", "webhook_env")})
+
+
+def is_secret(path: Path_) -> bool:
+    """Whether ``path`` is a secret field, or a mapping holding one (its value has it)."""
+    path = tuple(path)
+    return bool(path) and any(path[: len(p)] == p or p[: len(path)] == path for p in SECRET_PATHS)
+
+
+def shown_item(item: str) -> str:
+    """A `--set` item for a message: as ``shorten`` shows it, but the value of a secret
+    field hidden (`notify.webhook=<hidden>`)."""
+    key, sep, _ = item.partition("=")
+    path = tuple(part.strip() for part in key.strip().split("."))
+    if sep and is_secret(path):
+        return shorten(f"{dotted(path)}=<hidden>")
+    for p in SECRET_PATHS:
+        if item.strip().startswith(dotted(p)):  # not of the form key=value: the whole item may be the URL
+            return shorten(f"{dotted(p)}...<hidden>")
+    return shorten(item)
 
 
 def default_of(lines: dict, path: Path_) -> Origin | None:
@@ -348,7 +377,7 @@ def issue(lines: dict, path: Path_, message: str, source: str, field: str | None
     field = dotted(path) if field is None else field
     item = override_of(lines, path)
     if item is not None:
-        return SpecIssue(field, None, f"{message} (from --set {shorten(item)})", "--set")
+        return SpecIssue(field, None, f"{message} (from --set {shown_item(item)})", "--set")
     origin = default_of(lines, path)
     if origin is not None:
         return SpecIssue(field, origin.line, f"{message} (a {origin.layer} default)", origin.file)

@@ -78,7 +78,7 @@ def _blame_overrides(issue: SpecIssue, lines: dict) -> SpecIssue:
     for path, item in getattr(lines, "overrides", {}).items():
         field = yamlsrc.dotted(path)
         if issue.path == field or issue.path.startswith((field + ".", field + "[")):
-            return SpecIssue(issue.path, None, f"{issue.message} (from --set {yamlsrc.shorten(item)})", "--set")
+            return SpecIssue(issue.path, None, f"{issue.message} (from --set {yamlsrc.shown_item(item)})", "--set")
     return issue
 
 
