@@ -828,3 +828,29 @@ def test_the_cursor_stays_where_it_was_when_enqueue_fails(tmp_path, monkeypatch)
     monkeypatch.undo()
     assert ledger.cursor(outbox.CURSOR + "q1") == 0 and ledger.notifications("q1") == []
     assert n.enqueue(exp, cfg) == 1 and ledger.cursor(outbox.CURSOR + "q1") > 0
+
+
+# ---------------------------------------------------------------- end to end: real runs, a real watcher, a real server
+
+
+@pytest.mark.multiproc
+def test_real_runs_post_exactly_one_message_per_configured_event(tmp_path, home, hook):
+    """Two experiments as a user runs them (`submit --wait`: its own watcher): user code that
+    raises at step 3 (restarted in place once, then failed), and one that completes."""
+    base = ("steps: 30\nbatch: {{micro_batch_size: 4}}\nheartbeat: {{interval_s: 0.5}}\n"
+            "resources: {{tasks_per_node: 2, cpus_per_task: 1}}\nworkdir: {wd}\n"
+            "notify: {{webhook: '{url}', on: [failed, recovered, completed, needs_attention]}}\n")
+    common = base.format(wd=tmp_path / "runs", url=hook.url)
+    bug = write(tmp_path / "bug.yaml", "name: bug\nmodel: {kind: entrypoint, entrypoint: 'faulty:raises_at'}\n" + common)
+    fine = write(tmp_path / "fine.yaml", "name: fine\nmodel: {n_layer: 1, d_model: 32, n_head: 2, seq_len: 16}\n" + common)
+    out = cli("submit", str(bug), "--executor", "local", "--wait", home=home, timeout=300)
+    assert out.returncode != 0, out.stdout  # the experiment failed, as designed
+    out = cli("submit", str(fine), "--executor", "local", "--wait", home=home, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = sorted((m["orchestrate"]["name"], m["orchestrate"]["trigger"], m["orchestrate"]["kind"]) for m in hook.delivered())
+    assert got == [("bug", "failed", "task.state"), ("bug", "needs_attention", "experiment.state"),
+                   ("bug", "recovered", "attempt.restarted"), ("fine", "completed", "experiment.state")], got
+    assert all(r["type"] == "application/json" and r["path"] == "/services/T0/B0/secret" for r in hook.requests)
+    ledger = Ledger.open(home / "ledger.db")
+    sent = [e for exp in ledger.find_experiments() for e in ledger.events(exp["id"]) if e["kind"] == "notify.sent"]
+    assert len(sent) == 4 and not any(hook.url in e["cause"] or "secret" in e["cause"] for e in sent)
