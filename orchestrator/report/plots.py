@@ -121,6 +121,8 @@ def timeline_figure(tasks: list[dict], t0: float) -> str:
         if a.get("submitted_at") and a.get("started_at"):
             spans.append((a["submitted_at"], a["started_at"], "queued"))
         spans += [(s["start"], s["end"], s["category"]) for s in t["segments"] if s["launch"] == a.get("launch")]
+        # saves drawn over the training they blocked (the segments hold them)
+        spans += [(x["time"] - x["blocked_s"], x["time"], "checkpoint_blocked") for x in t["saves"] if x.get("launch") == a.get("launch")]
         for start, end, cat in spans:
             ax.broken_barh([(start - t0, max(end - start, 1e-3))], (y - 0.35, 0.7), color=COLORS[cat],
                            label=None if cat in seen else LABELS[cat])
