@@ -59,7 +59,7 @@ def _breakdown_table(doc: dict) -> str:
     rows.append(["<b>allocated</b>", _n(alloc), "100 %", _n(tot["node_hours"], ",.4f"), _n(tot["gpu_hours"], ",.4f")])
     rows += [[_t(label), _n(tot[key]), "outside", "", ""] for key, label in (
         ("queued_s", "queued before the first attempt"), ("requeue_queued_s", "queued after a requeue"),
-        ("watcher_detection_s", "SLURM's end of an attempt to the watcher's noticing it"))]
+        ("watcher_detection_s", "an attempt's end to the watcher's noticing it"))]
     return _table(["", "seconds", "share", "node-hours", "GPU-hours"], rows, numeric={1, 2, 3, 4})
 
 
