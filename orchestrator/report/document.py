@@ -37,6 +37,14 @@ def attempt_ends_seen(events: list[dict]) -> dict[tuple[int, int], float]:
     return out
 
 
+def add_up(ledger: Ledger, exp_id: str, idx: int, rec, gpus: int, seen: dict[int, float], now: float,
+           slurm_runs: dict | None = None) -> goodput.TaskGoodput:
+    """One task's goodput from its ledger rows and its run folder's records (the report's and
+    the stored figure's). ``seen``: attempt number -> when the ledger recorded its end."""
+    return goodput.task_goodput(ledger.attempts(exp_id, idx), rec, now=now, gpus_per_node=gpus, attempt_end_seen=seen,
+                                slurm_runs=slurm_runs)
+
+
 def _summary(g: goodput.TaskGoodput) -> dict:
     return {
         "allocated_s": g.allocated_s, "node_hours": g.node_s / HOUR, "gpu_hours": g.gpu_s / HOUR, "goodput": g.goodput,
@@ -46,12 +54,11 @@ def _summary(g: goodput.TaskGoodput) -> dict:
     }
 
 
-def task_report(ledger: Ledger, exp: dict, task: dict, events: list[dict], now: float, slurm_runs: dict | None = None) -> dict:
-    spec = json.loads(exp.get("spec") or "{}")
+def task_report(ledger: Ledger, exp: dict, task: dict, gpus: int, seen: dict[int, float], now: float,
+                slurm_runs: dict | None = None) -> dict:
     rec = read_task(task["task_dir"])
+    g = add_up(ledger, exp["id"], task["idx"], rec, gpus, seen, now, slurm_runs)
     attempts = ledger.attempts(exp["id"], task["idx"])
-    seen = {n: t for (i, n), t in attempt_ends_seen(events).items() if i == task["idx"]}
-    g = goodput.task_goodput(attempts, rec, now=now, gpus_per_node=gpus_per_node(spec), attempt_end_seen=seen, slurm_runs=slurm_runs)
     pass_of = {lr.key: i for i, lr in enumerate(rec.launches)}
     points = [{"step": m["step"], "time": m["time"], "loss": m.get("loss"), "eval_loss": m.get("eval_loss"),
                "throughput": m.get("throughput"), "launch": m["launch"], "generation": m["generation"],
@@ -94,7 +101,11 @@ def experiment_report(ledger: Ledger, exp: dict, now: float | None = None, slurm
     """``slurm_runs``: sacct's runs of the experiment's jobs (``SlurmScheduler.allocations``)."""
     now = time.time() if now is None else now
     events = ledger.events(exp["id"])
-    tasks = [task_report(ledger, exp, t, events, now, slurm_runs) for t in ledger.tasks(exp["id"])]
+    gpus = gpus_per_node(json.loads(exp.get("spec") or "{}"))
+    seen: dict[int, dict[int, float]] = defaultdict(dict)  # task -> attempt -> end recorded: one pass over the events
+    for (idx, n), at in attempt_ends_seen(events).items():
+        seen[idx][n] = at
+    tasks = [task_report(ledger, exp, t, gpus, seen[t["idx"]], now, slurm_runs) for t in ledger.tasks(exp["id"])]
     keys = sorted({k for t in tasks for k in t["params"]})
     return json_safe({
         "experiment": {k: exp.get(k) for k in ("id", "name", "state", "executor", "created_at", "updated_at")},

@@ -1,8 +1,8 @@
 """Where a task's allocated time went (pure: records in, figures out).
 
-The allocation of each launch (the node agents' start to their end) is cut along the
-trainer's own timestamps into generations (an in-place restart starts a new one), and
-each generation into:
+The allocation of each launch (SLURM's run where sacct tells it, else the node agents'
+start to their end) is cut along the agents' and the trainer's own timestamps into
+generations (an in-place restart starts a new one), and each generation into:
 
 - start-up: from the generation's begin (the allocation's, or the failure's detection)
   to the training's first step, less the checkpoint load; an in-place restart's
@@ -18,9 +18,8 @@ each generation into:
 - shutdown: from the last step to the allocation's end (process exit, agents).
 
 Outside the allocation: the time queued before each attempt, and the watcher's detection
-of an attempt that SLURM ended. Goodput is productive / allocated. Whatever the records
-do not explain (a launch whose records are missing) is ``unattributed``: it is 0 when the
-records are whole.
+of an attempt's end. Goodput is productive / allocated. ``unattributed`` is the
+allocation less the categories: 0 when the records make one timeline.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from orchestrator.supervise.launches import LaunchRecord
 
 CATEGORIES = ("productive", "startup", "checkpoint_load", "checkpoint_blocked", "eval_consolidation", "recomputed",
               "failure_detection", "shutdown", "unattributed")
-LOST = ("recomputed", "failure_detection", "startup", "checkpoint_load")  # what a failure costs its successor
 
 
 @dataclass
@@ -67,7 +65,7 @@ class TaskGoodput:
     gpu_s: float = 0.0
     queued_s: float = 0.0  # before the first attempt
     requeue_queued_s: float = 0.0  # before each later attempt
-    watcher_detection_s: float = 0.0  # SLURM's end of an attempt to the ledger's recording it
+    watcher_detection_s: float = 0.0  # an attempt's end to the ledger's recording it
     steps_recomputed: int = 0
     slurm_runs: int = 0  # launches whose allocation is sacct's (the others: the agents' records)
     step_time_s: float | None = None
@@ -111,6 +109,14 @@ class _Gen:
 
     def event(self, kind: str) -> dict | None:
         return next((e for e in self.events if e["event"] == kind), None)
+
+    @property
+    def load_s(self) -> float:
+        """Its checkpoint load, where training's start is the trainer's own (a script's
+        resume event comes before it loads anything)."""
+        if self.event("train.started") is None:
+            return 0.0
+        return (self.event("checkpoint.resumed") or {}).get("load_s") or 0.0
 
     @property
     def restarted(self) -> bool:
@@ -177,7 +183,7 @@ def account(out: TaskGoodput, gen: _Gen, next_start: int | None, failed: bool, k
         sec["startup"] += gen.end - gen.begin
         seg(gen.begin, gen.end, "startup")
         return Fault(gen.end, None, kind, where, gen.launch.key, gen.number, next_start) if failed else None
-    load = ((gen.event("checkpoint.resumed") or {}).get("load_s") or 0.0) if gen.event("train.started") else 0.0
+    load = gen.load_s
     started = _clamp(started, gen.begin, gen.end)
     load_start = _clamp(started - load, gen.begin, started)
     sec["startup"] += load_start - gen.begin
@@ -318,10 +324,9 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
         if nxt is not None and where != "not recovered":  # the successor's start-up and load are this fault's cost too
             started = _started(nxt, out.step_time_s)
             if started is not None:
-                load = ((nxt.event("checkpoint.resumed") or {}).get("load_s") or 0.0) if nxt.event("train.started") else 0.0
-                fault.lost_s["startup"] = max(_clamp(started, nxt.begin, nxt.end) - nxt.begin - load, 0.0) + (
+                fault.lost_s["startup"] = max(_clamp(started, nxt.begin, nxt.end) - nxt.begin - nxt.load_s, 0.0) + (
                     before.get(nxt.launch.key, 0.0) if nxt.number == 0 else 0.0)
-                fault.lost_s["checkpoint_load"] = load
+                fault.lost_s["checkpoint_load"] = nxt.load_s
         out.faults.append(fault)
     for prev, att in zip(attempts, attempts[1:]):
         if att.get("started_at") and prev.get("ended_at"):

@@ -66,7 +66,8 @@ def loss_figure(tasks: list[dict], key: str = "loss") -> str:
     fig = _figure(6.5 * cols, 3.0 * rows)
     axes = fig.subplots(rows, cols, squeeze=False).flat
     for t, ax in zip(shown, axes):  # shown first: zip must not take an axes it then drops
-        for n, seg in enumerate(_passes(t["points"])):
+        passes = _passes(t["points"])
+        for n, seg in enumerate(passes):
             xs = [p["step"] for p in seg if p.get(key) is not None]
             ys = [p[key] for p in seg if p.get(key) is not None]
             if xs:
@@ -86,7 +87,7 @@ def loss_figure(tasks: list[dict], key: str = "loss") -> str:
         ax.set_xlabel("step")
         ax.set_ylabel(key.replace("_", " "))
         ax.grid(alpha=0.3)
-        if len(_passes(t["points"])) > 1 or evals:
+        if len(passes) > 1 or evals:
             ax.legend(fontsize=7)
     for ax in list(axes):
         ax.set_visible(False)

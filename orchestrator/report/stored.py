@@ -41,24 +41,22 @@ def update(ledger: Ledger, exp_ids: list[str], budget_s: float, now: float | Non
         return 0
     import json
 
-    from orchestrator.report.document import attempt_ends_seen, gpus_per_node
-    from orchestrator.report.goodput import task_goodput
+    from orchestrator.report.document import add_up, attempt_ends_seen, gpus_per_node
     from orchestrator.report.records import read_task
 
     t0, done = time.monotonic(), 0
-    specs: dict[str, dict] = {}
+    gpus: dict[str, int] = {}
     for t in tasks:
         if done and time.monotonic() - t0 > budget_s:
             break
         exp_id, value = t["experiment_id"], None
         try:
-            if exp_id not in specs:
-                specs[exp_id] = json.loads((ledger.experiment(exp_id) or {}).get("spec") or "{}")
+            if exp_id not in gpus:
+                gpus[exp_id] = gpus_per_node(json.loads((ledger.experiment(exp_id) or {}).get("spec") or "{}"))
             rec = read_task(t["task_dir"], FILE_MAX)
             if not rec.cut:
                 seen = {n: at for (_, n), at in attempt_ends_seen(ledger.task_events(exp_id, t["idx"], "attempt.state")).items()}
-                value = task_goodput(ledger.attempts(exp_id, t["idx"]), rec, now=now, gpus_per_node=gpus_per_node(specs[exp_id]),
-                                     attempt_end_seen=seen).goodput
+                value = add_up(ledger, exp_id, t["idx"], rec, gpus[exp_id], seen, now).goodput
         except Exception as exc:  # one task's records never stop the watcher's cycle
             if ledger.strict:
                 raise

@@ -107,14 +107,17 @@ class Recovery:
     delay_s: float = 0.0
 
 
-def backoff_s(recovery_number: int, initial: float, maximum: float) -> float:
-    """Delay before the ``recovery_number``-th recovery may start: exponential, with jitter
-    (tenacity's strategy, so many tasks failing at once do not come back at once)."""
+def backoff_s(recovery_number: int, initial: float, maximum: float, jitter: bool = True) -> float:
+    """Delay before the ``recovery_number``-th recovery (or retry) may start: exponential,
+    with jitter unless told (tenacity's strategy, so many tasks failing at once do not come
+    back at once)."""
     if initial <= 0:
         return 0.0
     state = tenacity.RetryCallState(None, None, (), {})
     state.attempt_number = max(1, recovery_number)
-    wait = tenacity.wait_exponential(multiplier=initial, max=maximum) + tenacity.wait_random(0, initial / 4)
+    wait = tenacity.wait_exponential(multiplier=initial, max=maximum)
+    if jitter:
+        wait = wait + tenacity.wait_random(0, initial / 4)
     return float(min(maximum, wait(state)))
 
 
