@@ -74,7 +74,7 @@ def _add_watch(sub) -> None:
 
 def _add_read_commands(sub) -> None:
     """status, logs, events: read the ledger and the run folder."""
-    sp = sub.add_parser("status", help="tasks with state, attempts, step, loss, throughput, heartbeat age")
+    sp = sub.add_parser("status", help="tasks with state, attempts, step, loss, throughput, goodput, heartbeat age")
     sp.add_argument("experiment", nargs="?", help="id or name (a name means the newest experiment of that name)")
     sp.add_argument("--json", action="store_true", help="machine-readable (format in the README)")
     sp.add_argument("--all", action="store_true", help="every experiment with this name, not only the newest")
