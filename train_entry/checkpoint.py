@@ -100,12 +100,13 @@ def _fsync_all(paths: list[Path], errors: list[BaseException]) -> None:
 
 
 def _hash_share(folder: Path, names: list[str], rank: int, world: int, progress: Callable[[], None] | None = None) -> dict:
-    """This rank's share of the files: size and sha256; and every file flushed to disk.
+    """This rank's share of ``names``: size and sha256; and all of ``names`` flushed to disk.
 
-    Every rank fsyncs every file, not only its share: on a filesystem shared by several
-    nodes, a node's fsync flushes that node's own writes (a file it did not write costs a
-    round trip). The flush (the disk's work) runs in a thread while the hashing (the CPU's,
-    reading the page cache) goes on, so a save takes the longer of the two, not their sum."""
+    These are the files no rank hashed as it wrote them (the RNG states, DCP's metadata, the
+    extras; every file of an engine that writes through its own library). Every rank fsyncs
+    every one of them: on a filesystem shared by several nodes, a node's fsync flushes that
+    node's own writes. The flush (the disk's work) runs in a thread while the hashing (the
+    CPU's, reading the page cache) goes on, so this takes the longer of the two, not their sum."""
     paths = [folder / name for name in names[rank::world]]
     errors: list[BaseException] = []
     flusher = threading.Thread(target=_fsync_all, args=([folder / n for n in names], errors), name="checkpoint-fsync", daemon=True)
@@ -118,6 +119,25 @@ def _hash_share(folder: Path, names: list[str], rank: int, world: int, progress:
         flusher.join()
     if errors:
         raise errors[0]
+    return out
+
+
+def _hashed_as_written(folder: Path, names: list[str], shares: list[dict]) -> dict:
+    """Rank 0: the ranks' files hashed as written, for those the listing holds as a regular
+    file of the size hashed (anything else is hashed from disk: never a stale record)."""
+    known = {}
+    for share in shares:
+        for name, record in share.items():
+            known[name] = None if name in known else record  # written twice: read it back
+    out = {}
+    listed = set(names)
+    for name, record in known.items():
+        try:
+            st = os.lstat(folder / name)
+        except OSError:
+            continue
+        if record is not None and name in listed and stat.S_ISREG(st.st_mode) and st.st_size == record["size"]:
+            out[name] = record
     return out
 
 
@@ -148,6 +168,8 @@ def _stall(step: int, rank: int) -> None:
 
 
 _FROM_COPY = "_fingerprint_from_copy"  # in a pending save's meta: the fingerprint still being taken
+_WRITTEN = "_written"  # in a save's meta: the files its engine hashed as it wrote them
+_STAGING_MARK = "_staging_mark"  # in a pending save's meta: the engine's staging wait when it began
 
 
 class _CopyFingerprint:
@@ -156,7 +178,7 @@ class _CopyFingerprint:
 
     def __init__(self, engine, names: list[tuple[str, int]]):
         self.names = names
-        self.copy = engine.snapshot()
+        self.copy = engine.snapshot()  # a future: the copy is made on a thread too
         self.box: list = []
         self.thread = threading.Thread(target=self._run, name="checkpoint-fingerprint", daemon=True)
         self.t0 = time.perf_counter()
@@ -166,7 +188,8 @@ class _CopyFingerprint:
         from train_entry import fingerprint
 
         try:
-            self.box.append(fingerprint.partial(self.copy or {}, self.names))
+            staged = self.copy.result() if self.copy is not None else {}
+            self.box.append(fingerprint.partial(staged.get("model") or {}, self.names))
         except BaseException as exc:  # raised again on the training thread, at the commit
             self.box.append(exc)
         self.seconds = time.perf_counter() - self.t0
@@ -213,6 +236,7 @@ class Checkpointer:
         self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
         self.extras: dict[str, dict] = {}  # JSON files rank 0 adds to every checkpoint (hf.json)
         self.on_progress: Callable[[], None] | None = None  # a stage of a save passed (save_progress)
+        self.remover: threading.Thread | None = None  # deletes the checkpoints rotation discarded
 
     # ------------------------------------------------------------ save
 
@@ -248,10 +272,15 @@ class Checkpointer:
         tmp = self.begin(step)
         self._progress()
         _stall(step, self.rank)
+        self.engine.written = None
         future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
-        # of the weights saved, before training moves on (an asynchronous write's copy is made by
-        # now): taken here, or from that copy on a thread where it holds every trainable
-        # parameter under its name (DDP's shares)
+        if self.engine.written is not None:
+            meta = {**meta, _WRITTEN: self.engine.written}
+        if future is not None:  # training waits for the copy later, before it changes the state
+            meta = {**meta, _STAGING_MARK: getattr(self.engine, "staging_wait_s", 0.0)}
+        # of the weights saved, before training changes them: taken here from the model, or on
+        # a thread from an asynchronous save's copy where that holds every trainable parameter
+        # under its name (DDP's shares)
         names = None
         if future is not None and getattr(self.engine, "fingerprint_from_copy", False):
             from train_entry import fingerprint
@@ -297,31 +326,45 @@ class Checkpointer:
         return self.finish_pending()
 
     def finish_pending(self) -> dict | None:
+        """Commit the pending asynchronous save, waiting for its write if need be. Training
+        is blocked meanwhile: that time (the commit's own, after a poll found it done) counts
+        in its ``blocked_s`` with the staging's."""
         if self.pending is None:
             return None
         step, tmp, future, blocked, t0, meta = self.pending
         self.pending = None
+        t1 = time.perf_counter()
         future.result()
-        return self._commit(step, tmp, blocked, t0, meta)
+        return self._commit(step, tmp, blocked, t0, meta, waited_from=t1)
 
     def commit(self, step: int, meta: dict | None = None) -> dict:
         """Collective: make the folder of ``begin(step)`` a committed checkpoint."""
         t0 = time.perf_counter()
         return self._commit(step, contract.checkpoint_tmp(self.task_dir, step), 0.0, t0, meta or {})
 
-    def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict) -> dict:
+    def _commit(self, step: int, tmp: Path, blocked: float, t0: float, meta: dict, waited_from: float | None = None) -> dict:
         meta = dict(meta)
         if _FROM_COPY in meta:
             meta.update(meta.pop(_FROM_COPY).result())
         timing = {"fingerprint_s": meta.pop("fingerprint_s")} if "fingerprint_s" in meta else {}  # the event's, not the manifest's
-        dist.barrier()  # every rank's shards are written
-        names = _files(tmp) if self.rank == 0 else None
-        box = [names]
-        dist.broadcast_object_list(box, src=0)
-        shares = gather(_hash_share(tmp, box[0], self.rank, self.world, self.on_progress))
+        written = meta.pop(_WRITTEN, None)
+        if _STAGING_MARK in meta:
+            blocked += getattr(self.engine, "staging_wait_s", 0.0) - meta.pop(_STAGING_MARK)
+        mine = written.result(tmp) if written is not None else {}  # flushed by now
+        written_shares = gather(mine)  # also: every rank's shards are written
+        names, known, box = None, {}, [None]
+        if self.rank == 0:
+            names = _files(tmp)
+            known = _hashed_as_written(tmp, names, written_shares)
+            box = [[n for n in names if n not in known]]
+        dist.broadcast_object_list(box, src=0)  # what is left to hash, shared by the ranks
+        todo = box[0]
+        shares = gather(_hash_share(tmp, todo, self.rank, self.world, self.on_progress))
         final = None
         if self.rank == 0:
-            files = {k: v for share in shares for k, v in share.items()}
+            files = dict(known)
+            files.update({k: v for share in shares for k, v in share.items()})
+            files = {name: files[name] for name in names}
             manifest = {
                 "step": step,
                 "engine": self.engine_kind,
@@ -335,16 +378,34 @@ class Checkpointer:
             self._retain()
         dist.barrier()  # nobody moves on (or exits) before the commit
         self.committed_step = step
-        return {"step": step, "blocked_s": blocked, "total_s": time.perf_counter() - t0, "folder": str(final or ""),
+        end = time.perf_counter()
+        if waited_from is not None:
+            blocked += end - waited_from
+        return {"step": step, "blocked_s": blocked, "total_s": end - t0, "folder": str(final or ""),
                 **timing}
 
     def _retain(self) -> None:
+        """Rotation: the checkpoints past ``keep_last`` are renamed out of the way here and
+        deleted on a thread (deleting gigabytes holds training up for a while)."""
         keep = self.cfg.keep_last
+        self.close()
+        trash = []
         for _, folder in contract.committed_checkpoints(self.task_dir)[keep:]:
             try:
-                contract.discard_checkpoint(folder)
+                trash.append(contract.discard_checkpoint(folder, remove=False))
             except contract.UnsafeDeletion as exc:  # kept: never deleted through a link
                 print(f"checkpoint rotation: {folder.name} not removed: {exc}", file=sys.stderr, flush=True)
+        if trash:
+            self.remover = threading.Thread(target=lambda: [contract.remove_trash(t) for t in trash],
+                                            name="checkpoint-rotation", daemon=True)
+            self.remover.start()
+
+    def close(self) -> None:
+        """Wait for the rotation's deletions (a process cut short leaves ``.trash-`` folders
+        that the next start removes)."""
+        if self.remover is not None:
+            self.remover.join()
+            self.remover = None
 
     # ------------------------------------------------------------ resume
 

@@ -123,6 +123,7 @@ class Run:
 
     def finish(self, step: int) -> None:
         """The run is complete: a late checkpoint signal is ignored from now on."""
+        self._ckpt.close()  # the rotation's deletions are done
         self._session.finish(step)
 
     def exit_for_requeue(self, step: int | None = None) -> None:

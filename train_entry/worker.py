@@ -172,6 +172,7 @@ class Loop:
         self.saved(ckpt.finish_pending(), "asynchronous")
         if self.cfg.checkpoint.consolidate and ckpt.committed_step != self.step:
             self.save("the final step, for consolidation", final=True)  # what the job's consolidation step writes out
+        ckpt.close()
         self.session.finish(self.step)
         return self.last_loss
 

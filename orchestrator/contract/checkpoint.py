@@ -278,13 +278,26 @@ def remove_leftovers(tdir: str | os.PathLike) -> list[str]:
     return sorted(gone)
 
 
-def discard_checkpoint(folder: str | os.PathLike) -> None:
+def discard_checkpoint(folder: str | os.PathLike, remove: bool = True) -> Path:
     """Rename first, then delete: a half-deleted checkpoint never looks committed.
-    UnsafeDeletion when ``deletion_problem`` says it must not be deleted."""
+    UnsafeDeletion when ``deletion_problem`` says it must not be deleted. ``remove=False``
+    only renames, and returns the ``.trash-`` folder for ``remove_trash`` (a trainer deletes
+    it on a thread: a large checkpoint takes a while; one left over is removed at the next
+    start, like any leftover)."""
     folder = Path(folder)
     problem = deletion_problem(folder)
     if problem:
         raise UnsafeDeletion(problem)
     trash = folder.parent / f"{TRASH_PREFIX}{folder.name}-{os.getpid()}"
     os.replace(folder, trash)
+    if remove:
+        _remove_tree(trash)
+    return trash
+
+
+def remove_trash(trash: str | os.PathLike) -> None:
+    """Delete a folder ``discard_checkpoint(remove=False)`` renamed (only such a folder)."""
+    trash = Path(trash)
+    if not trash.name.startswith(TRASH_PREFIX):
+        raise UnsafeDeletion(f"{trash} is not a discarded checkpoint")
     _remove_tree(trash)

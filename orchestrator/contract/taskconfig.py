@@ -78,6 +78,7 @@ class Checkpoint:
     every_minutes: float | None = None
     keep_last: int = 2
     async_save: bool = False
+    direct_io: bool = True
     verify: str = "sha256"
     signal: str = "USR2"
     signal_before_s: int = 120

@@ -34,7 +34,7 @@ ALLOWED: dict[str, tuple[str, ...] | None] = {
                   "srun_args", "sbatch_extra", "share_with_group", "container")
         if k in Resources.model_fields
     ),
-    "checkpoint": ("signal", "signal_before_s"),
+    "checkpoint": ("signal", "signal_before_s", "direct_io"),  # direct_io: the filesystem's
     "heartbeat": tuple(Heartbeat.model_fields),
     "retry": tuple(Retry.model_fields),
     "env": None,

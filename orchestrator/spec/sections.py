@@ -246,6 +246,11 @@ class Checkpoint(Strict):
     async_save: bool = Field(
         False, description="Write DCP checkpoints (ddp, fsdp) in a background thread; training waits only for the copy."
     )
+    direct_io: bool = Field(
+        True,
+        description="Write DCP shards around the page cache (O_DIRECT), hashed as they are written; where a filesystem "
+        "has no O_DIRECT the page cache is used anyway. Turn off where a filesystem is faster through its cache.",
+    )
     verify: Literal["size", "sha256"] = Field(
         "sha256", description="What resume checks before loading a checkpoint: file sizes, or also their sha256 (split over the ranks)."
     )

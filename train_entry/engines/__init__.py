@@ -20,6 +20,7 @@ __all__ = ["Engine", "build_engine"]
 def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None, trainable_only: bool = False) -> Engine:
     engine = _build(cfg, model, device, resume)
     engine.trainable_only = trainable_only
+    engine.direct_io = cfg.checkpoint.direct_io
     return engine
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,8 @@ class Engine:
         uninterrupted run has after its first step (a no-op where the layout never changes)."""
 
     state_format: str
+    # the files the last save_state wrote, hashed as written (checkpoint_writer.Written), if any
+    written = None
 
     def save_state(self, folder, asynchronous: bool = False):
         """Collective: write this rank's shards under ``folder``; a future when asynchronous."""
@@ -42,6 +45,12 @@ class Engine:
 
     def load_state(self, folder, same_world: bool) -> None:
         raise NotImplementedError
+
+    def wait_staged(self) -> None:
+        """Before the saved state changes: an asynchronous save's copy of it is made."""
+
+    def before_forward(self) -> None:
+        """Before a forward: the same, where a forward changes saved state (running statistics)."""
 
 
 def make_optimizer(params, opt: contract.taskconfig.Optimizer) -> torch.optim.Optimizer:
@@ -78,14 +87,19 @@ class DCPState:
         """What this rank writes of ``state`` (engines whose ranks hold replicas write a share)."""
         return state
 
+    direct_io = True  # checkpoint.direct_io (build_engine sets it from the task config)
+
     def save_state(self, folder, asynchronous: bool = False):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        from train_entry.checkpoint_writer import HashingWriter
+
+        self.wait_staged()  # a save's copy is never made over the last one's while it is made
         state, target = self._share(self._state()), str(folder / "dcp")
-        # no fsync per file inside DCP: the commit has every rank flush every file while the
-        # ranks hash them (checkpoint._hash_share), so the disk's flush and the hashing overlap
-        writer = dcp.FileSystemWriter(target, sync_files=False)
+        # hashed as written and flushed by the rank that wrote it: the commit reads nothing back
+        writer = HashingWriter(target, asynchronous, direct=self.direct_io)
+        self.written = writer.written
         if not asynchronous:
             dcp.save(state, storage_writer=writer)
             return None
@@ -93,13 +107,31 @@ class DCPState:
             DCPState._async_group = dist.new_group(backend="gloo")
         if self._stager is None:
             self._stager = _KeptStager(self.device.type == "cuda")
-        # staging copies the state before async_save returns: that copy is the snapshot the
-        # thread writes while training goes on updating the weights
-        return dcp.async_save(state, storage_writer=writer, process_group=DCPState._async_group, async_stager=self._stager)
+        # a tensor of the state that is not a parameter (a running statistic) may change in
+        # the next forward; parameters and optimizer states only at the next optimizer step
+        params = {clean(n) for n, _ in self.model.named_parameters()}
+        self._staged_before_forward = any(isinstance(v, torch.Tensor) and k not in params for k, v in state["model"].items())
+        # the copy is made on a thread while the next forward and backward run; it must be done
+        # before anything it copies changes (``wait_staged``); the writer writes from it
+        response = dcp.async_save(state, storage_writer=writer, process_group=DCPState._async_group, async_stager=self._stager)
+        return response.upload_completion
 
-    def snapshot(self) -> dict | None:
-        """The model's tensors in the copy the last asynchronous save writes (this rank's share)."""
-        return self._stager.staged.get("model") if self._stager is not None and self._stager.staged else None
+    def wait_staged(self) -> None:
+        """Before the state changes: wait for an asynchronous save's copy of it (the time is
+        training blocked by that save: ``staging_wait_s``)."""
+        if self._stager is not None:
+            self.staging_wait_s += self._stager.wait()
+
+    staging_wait_s = 0.0
+    _staged_before_forward = False
+
+    def before_forward(self) -> None:
+        if self._staged_before_forward:
+            self.wait_staged()
+
+    def snapshot(self):
+        """A future of the copy the last asynchronous save writes (this rank's share), or None."""
+        return self._stager.copy if self._stager is not None else None
 
     def load_state(self, folder, same_world: bool) -> None:
         import torch.distributed.checkpoint as dcp
@@ -117,29 +149,47 @@ class DCPState:
 
 
 class _KeptStager:
-    """DCP's staging, kept for the run: it reuses its copies (pinned on a GPU node) from one
-    save to the next, where fresh ones cost page faults at every save; and it keeps the
-    last copy, which the fingerprint of an asynchronous save is taken from."""
+    """DCP's staging, kept for the run and run on a thread of its own. Kept: it reuses its
+    copies (pinned on a GPU node) from one save to the next, where fresh ones cost page
+    faults at every save; and it keeps the last copy, which the fingerprint of an
+    asynchronous save is taken from. On a thread: the copy is made while the next forward
+    and backward run, and training waits for it only before it changes what is copied."""
 
     def __init__(self, cuda: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.inner = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                   use_async_staging=False, use_non_blocking_copy=False))
-        self.staged: dict | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging")
+        self.copy = None  # a future of the last copy
+        self.waiting = None  # the copy training has not waited for yet
 
     @property
     def should_synchronize_after_execute(self) -> bool:
-        return False  # stage() returns once the copy is made
+        return False
 
     def stage(self, state_dict):
-        self.staged = self.inner.stage(state_dict)
-        return self.staged
+        self.copy = self.waiting = self.pool.submit(self.inner.stage, state_dict)
+        return self.copy  # DCP's writer waits for it on its own thread
+
+    def wait(self) -> float:
+        """Seconds waited for the last copy (its error, if it failed, is raised here)."""
+        if self.waiting is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            self.waiting.result()
+        finally:
+            self.waiting = None
+        return time.perf_counter() - t0
 
     def synchronize_staging(self) -> None:
         pass
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         self.inner.close()
 
 
@@ -151,6 +201,7 @@ class TorchOptimizerStep:
     grad_clip: float | None
 
     def optimizer_step(self, lr: float) -> None:
+        self.wait_staged()  # an asynchronous save's copy of the weights and states is made
         set_lr(self.optimizer, lr)
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)  # DTensor-aware under FSDP2

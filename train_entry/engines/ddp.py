@@ -38,6 +38,7 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
     def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
         # skip the gradient all-reduce on all but the last micro-batch of a step
         ctx = contextlib.nullcontext() if last else self.model.no_sync()
+        self.before_forward()
         with ctx:
             with autocast(self.device, self.precision):
                 loss = loss_fn(forward(self.model, inputs), targets)

@@ -51,6 +51,7 @@ class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
     def micro_step(self, inputs, targets, loss_fn, accum: int, last: bool) -> torch.Tensor:
         # reduce-scatter gradients only on the last micro-batch of a step
         self.model.set_requires_gradient_sync(last)
+        self.before_forward()
         loss = loss_fn(forward(self.model, inputs), targets)
         (loss / accum).backward()
         return loss.detach().float()

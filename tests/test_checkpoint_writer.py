@@ -1,0 +1,196 @@
+"""The checkpoint writer: shards hashed as they are written (the commit reads none of them
+back), written around the page cache where the filesystem allows it, and an asynchronous
+save's copy made on a thread that training waits for only before it changes the state."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator import contract
+from tests.conftest import free_port
+from train_entry import checkpoint_writer
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _cfg(task_dir: Path, asynchronous: bool = False, direct_io: bool = True, keep_last: int = 2) -> contract.TaskConfig:
+    return contract.TaskConfig.from_dict({
+        "contract": contract.CONTRACT_VERSION, "experiment_id": "w", "index": 0, "steps": 10, "task_dir": str(task_dir),
+        "checkpoint": {"every_steps": 1, "keep_last": keep_last, "async_save": asynchronous, "direct_io": direct_io},
+        "engine": {"kind": "ddp", "backend": "gloo", "precision": "fp32", "find_unused_parameters": False,
+                   "activation_checkpointing": False},
+        "optimizer": {"name": "adamw", "lr": 1e-2, "grad_clip": None}})
+
+
+def _engine(cfg):
+    from train_entry.engines import build_engine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    engine = build_engine(cfg, model, torch.device("cpu"))
+    _step(engine)
+    return engine
+
+
+def _step(engine) -> None:
+    engine.micro_step(torch.randn(4, 256), None, lambda out, _t: out.pow(2).mean(), 1, True)
+    engine.optimizer_step(1e-2)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _disk_reads(monkeypatch) -> list[str]:
+    """The files the commit hashes by reading them back."""
+    read = []
+    original = contract.file_sha256
+
+    def spy(path, *a, **k):
+        read.append(Path(path).name)
+        return original(path, *a, **k)
+
+    monkeypatch.setattr(contract, "file_sha256", spy)
+    return read
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page-cache"])
+def test_the_shards_are_hashed_as_written_and_the_manifest_matches_the_disk(tmp_path, monkeypatch, world_of_one, direct_io):
+    from train_entry.checkpoint import Checkpointer
+
+    cfg = _cfg(tmp_path, direct_io=direct_io)
+    engine = _engine(cfg)
+    opened = []
+    real = checkpoint_writer._DirectStream.__init__
+    monkeypatch.setattr(checkpoint_writer._DirectStream, "__init__", lambda self, fd: (opened.append(fd), real(self, fd))[1])
+    read = _disk_reads(monkeypatch)
+    info = Checkpointer(cfg, 0, 1, engine).save(1, {})
+    folder = Path(info["folder"])
+    files = contract.read_manifest(folder)["files"]
+    shards = [n for n in files if n.startswith("dcp/")]
+    assert any(n.endswith(".distcp") for n in shards) and "dcp/.metadata" in shards, files
+    for name, record in files.items():  # every record is the file as it is on disk
+        assert record == {"size": (folder / name).stat().st_size, "sha256": _sha(folder / name)}, name
+    assert contract.verify_checkpoint(folder, deep=True) is None
+    # nothing DCP wrote was read back to be hashed: only the RNG states (written by torch.save)
+    assert sorted(read) == ["rank-0.pt"], read
+    probe = checkpoint_writer._open_direct(tmp_path / "probe")
+    if probe is not None:
+        os.close(probe)
+    assert bool(opened) == (direct_io and probe is not None)  # around the page cache where this filesystem allows it
+
+
+def test_where_the_filesystem_refuses_direct_io_the_page_cache_is_used(tmp_path, monkeypatch, world_of_one):
+    from train_entry.checkpoint import Checkpointer
+
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(checkpoint_writer.os, "open", no_direct)
+    cfg = _cfg(tmp_path)
+    info = Checkpointer(cfg, 0, 1, _engine(cfg)).save(1, {})
+    assert contract.verify_checkpoint(Path(info["folder"]), deep=True) is None
+
+
+def test_a_file_not_written_in_order_is_hashed_from_disk(tmp_path):
+    written = checkpoint_writer.Written()
+    fs = checkpoint_writer._RecordingFileSystem(written, direct=False)
+    with fs.create_stream(tmp_path / "plain", "wb") as s:
+        s.write(b"a" * 1000)
+    with fs.create_stream(tmp_path / "sought", "wb") as s:
+        s.write(b"b" * 1000)
+        s.seek(10)
+        s.write(b"c")
+    records = written.result(tmp_path)
+    assert records == {"plain": {"size": 1000, "sha256": hashlib.sha256(b"a" * 1000).hexdigest()}}
+
+
+def test_a_record_that_does_not_match_the_file_is_not_trusted(tmp_path):
+    from train_entry.checkpoint import _hashed_as_written
+
+    (tmp_path / "a").write_bytes(b"12345")
+    (tmp_path / "b").write_bytes(b"12345")
+    (tmp_path / "c").write_bytes(b"1")
+    right = {"size": 5, "sha256": "x"}
+    shares = [{"a": right, "b": {"size": 4, "sha256": "y"}, "gone": right}, {"c": {"size": 1, "sha256": "z"}},
+              {"c": {"size": 1, "sha256": "z"}}]  # c claimed by two ranks: read back
+    assert _hashed_as_written(tmp_path, ["a", "b", "c"], shares) == {"a": right}
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step_though_the_copy_is_slow(tmp_path, monkeypatch, world_of_one):
+    """The copy is made on a thread while training goes on; the optimizer step waits for it,
+    that wait counts as training blocked, and the checkpoint holds the weights of the step
+    saved, not the next one's."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from train_entry.checkpoint import Checkpointer
+    from train_entry.engines import build_engine
+
+    slow = DefaultStager.stage
+
+    def stage_slowly(self, state_dict):
+        time.sleep(0.6)
+        return slow(self, state_dict)
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_slowly)
+    cfg = _cfg(tmp_path, asynchronous=True)
+    engine = _engine(cfg)
+    saved = {k: v.clone() for k, v in engine.model.module.state_dict().items()}
+    ck = Checkpointer(cfg, 0, 1, engine)
+    assert ck.save(1, {})["async"]
+    assert not engine.snapshot().done()  # the save returned before the copy was made
+    _step(engine)  # waits for the copy, then changes every weight
+    assert engine.staging_wait_s > 0.3
+    info = ck.finish_pending()
+    assert info["blocked_s"] >= engine.staging_wait_s
+    ck.close()
+
+    fresh = build_engine(cfg, torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)), torch.device("cpu"))
+    Checkpointer(cfg, 0, 1, fresh).load(ck.find_resume())
+    loaded = fresh.model.module.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+        assert not torch.equal(engine.model.module.state_dict()[name], tensor), name  # the step did change it
+
+
+def test_rotation_deletes_on_a_thread_and_leaves_no_trash(tmp_path, world_of_one):
+    from train_entry.checkpoint import Checkpointer
+
+    cfg = _cfg(tmp_path, keep_last=2)
+    engine = _engine(cfg)
+    ck = Checkpointer(cfg, 0, 1, engine)
+    for step in range(1, 5):
+        ck.save(step, {})
+    ck.close()
+    names = sorted(p.name for p in contract.checkpoints_dir(tmp_path).iterdir())
+    assert names == [contract.checkpoint_name(3), contract.checkpoint_name(4)], names
+
+
+def test_only_a_discarded_checkpoint_is_removed_as_trash(tmp_path):
+    keep = tmp_path / "step-000000001"
+    keep.mkdir()
+    with pytest.raises(contract.UnsafeDeletion):
+        contract.remove_trash(keep)
+    assert keep.is_dir()
