@@ -1,7 +1,11 @@
 """Consolidation of sharded checkpoints: `orchestrate ckpt consolidate` against the tools
 users otherwise run on the same checkpoint in the same run: torch's `dcp_to_torch_save`
 (DCP) and DeepSpeed's `zero_to_fp32.py` (ZeRO-2, ZeRO-3). Reports wall time and peak
-memory (max RSS of each child process), min/median/max over repeats, and their ratios.
+memory (max RSS of each child process), min/median/max over repeats, and their ratios;
+and the disk's speed for the same work: `dd conv=fdatasync` copying as many bytes as the
+weights hold out of the checkpoint's largest file into a new one (the reads and writes a
+consolidation cannot do without), against our whole command and against its reading and
+writing alone (after Python, torch and the checks start up: `write_s` in its record).
 
     python bench/consolidate.py [--model-gb 1.0] [--repeats 3] [--kinds dcp,zero2,zero3] [--json]
 
@@ -107,6 +111,23 @@ def tools(kind: str, folder: Path, out: Path, shard: str) -> dict[str, list[str]
         py, "-m", "deepspeed.utils.zero_to_fp32", str(folder / "deepspeed"), str(out / "theirs"), "--safe_serialization", "--max_shard_size", shard, "-t", "state"]}
 
 
+def dd_copy(folder: Path, out: Path, nbytes: int) -> float:
+    """Seconds to copy ``nbytes`` (scaled, when the file is shorter) of the checkpoint's
+    largest file into a new file, flushed: the disk's speed for a consolidation's work."""
+    import subprocess
+    import time
+
+    src = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    block = 8 * 1024**2
+    count = max(1, min(nbytes, src.stat().st_size) // block)
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={src}", f"of={out}", f"bs={block}", f"count={count}", "conv=fdatasync", "status=none"],
+                   check=True, timeout=1800)
+    took = time.perf_counter() - t0
+    out.unlink()
+    return took * nbytes / (count * block)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-gb", type=float, default=1.0, help="model weights in GB (checkpoints are 3-4x: AdamW states)")
@@ -137,18 +158,28 @@ def main() -> int:
         folder = Path(made.stdout.strip().splitlines()[-1])
         row = {"checkpoint_bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()), "tools": {}}
         runs: dict[str, list[tuple[float, int]]] = {}
+        write_s, disk = [], []
         for _ in range(args.repeats):  # interleaved, so that drift in the machine hits both alike
             for name, argv in tools(kind, folder, base / "out", args.max_shard_size).items():
                 shutil.rmtree(base / "out", ignore_errors=True)
                 (base / "out").mkdir()
                 runs.setdefault(name, []).append(measure(argv, env=env))
-        row["model_bytes"] = sum(p.stat().st_size for p in (base / "out" / "ours").glob("*.safetensors")) if (base / "out" / "ours").is_dir() else None
+                if name == "orchestrate":
+                    ours_out = base / "out" / "ours"
+                    write_s.append(json.loads((ours_out / "consolidated.json").read_text())["write_s"])
+                    model_bytes = sum(p.stat().st_size for p in ours_out.glob("*.safetensors"))
+            disk.append(dd_copy(folder, base / "out" / "dd.bin", model_bytes))
+        row["model_bytes"] = model_bytes
+        row["disk_copy_s"] = stats(disk)
+        row["ours_write_s"] = stats(write_s)
         for name, rs in runs.items():
             row["tools"][name] = {"seconds": stats([r[0] for r in rs]), "peak_rss_bytes": stats([r[1] for r in rs])}
         ours, (peer, theirs) = row["tools"]["orchestrate"], [(k, v) for k, v in row["tools"].items() if k != "orchestrate"][0]
         row["peer"] = peer
         row["peak_memory_ratio"] = round(theirs["peak_rss_bytes"]["median"] / ours["peak_rss_bytes"]["median"], 2)
         row["speed_ratio"] = round(theirs["seconds"]["median"] / ours["seconds"]["median"], 2)
+        row["disk_ratio"] = round(row["disk_copy_s"]["median"] / ours["seconds"]["median"], 2)  # of the disk's speed
+        row["disk_ratio_write"] = round(row["disk_copy_s"]["median"] / row["ours_write_s"]["median"], 2)
         results["kinds"][kind] = row
         shutil.rmtree(folder.parent.parent, ignore_errors=True)
     shutil.rmtree(base, ignore_errors=True)
@@ -173,6 +204,14 @@ def render(res: dict) -> str:
                          f"{m['min'] / gb:.2f} / {m['median'] / gb:.2f} / {m['max'] / gb:.2f} | "
                          f"{'**%.1f× lower**' % row['peak_memory_ratio'] if mine else '1'} | "
                          f"{'**%.1f×**' % row['speed_ratio'] if mine else '1'} |")
+    lines += ["", "Against the disk: `dd conv=fdatasync` copying the weights' bytes out of the checkpoint (seconds, min / median / max), "
+              "and ours as a fraction of its speed, the whole command and its reading and writing alone:", "",
+              "| checkpoint | weights | disk copy | ours, whole command | ratio | ours, reading and writing | ratio |", "|---|---|---|---|---|---|---|"]
+    for kind, row in res["kinds"].items():
+        d, w, o = row["disk_copy_s"], row["ours_write_s"], row["tools"]["orchestrate"]["seconds"]
+        lines.append(f"| {kind} | {row['model_bytes'] / gb:.2f} GB | {d['min']:.2f} / {d['median']:.2f} / {d['max']:.2f} | "
+                     f"{o['min']:.2f} / {o['median']:.2f} / {o['max']:.2f} | {row['disk_ratio']:.2f}× | "
+                     f"{w['min']:.2f} / {w['median']:.2f} / {w['max']:.2f} | **{row['disk_ratio_write']:.2f}×** |")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from orchestrator import contract
 from tests.conftest import free_port
-from train_entry import checkpoint_writer
+from train_entry import checkpoint_writer, direct_io
 
 
 @pytest.fixture
@@ -72,15 +72,15 @@ def _disk_reads(monkeypatch) -> list[str]:
     return read
 
 
-@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "page-cache"])
-def test_the_shards_are_hashed_as_written_and_the_manifest_matches_the_disk(tmp_path, monkeypatch, world_of_one, direct_io):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_the_shards_are_hashed_as_written_and_the_manifest_matches_the_disk(tmp_path, monkeypatch, world_of_one, direct):
     from train_entry.checkpoint import Checkpointer
 
-    cfg = _cfg(tmp_path, direct_io=direct_io)
+    cfg = _cfg(tmp_path, direct_io=direct)
     engine = _engine(cfg)
     opened = []
-    real = checkpoint_writer._DirectStream.__init__
-    monkeypatch.setattr(checkpoint_writer._DirectStream, "__init__", lambda self, fd: (opened.append(fd), real(self, fd))[1])
+    real = direct_io.DirectStream.__init__
+    monkeypatch.setattr(direct_io.DirectStream, "__init__", lambda self, fd, hashing=True: (opened.append(fd), real(self, fd, hashing))[1])
     read = _disk_reads(monkeypatch)
     info = Checkpointer(cfg, 0, 1, engine).save(1, {})
     folder = Path(info["folder"])
@@ -92,10 +92,10 @@ def test_the_shards_are_hashed_as_written_and_the_manifest_matches_the_disk(tmp_
     assert contract.verify_checkpoint(folder, deep=True) is None
     # nothing DCP wrote was read back to be hashed: only the RNG states (written by torch.save)
     assert sorted(read) == ["rank-0.pt"], read
-    probe = checkpoint_writer._open_direct(tmp_path / "probe")
+    probe = direct_io.open_direct(tmp_path / "probe")
     if probe is not None:
         os.close(probe)
-    assert bool(opened) == (direct_io and probe is not None)  # around the page cache where this filesystem allows it
+    assert bool(opened) == (direct and probe is not None)  # around the page cache where this filesystem allows it
 
 
 def test_where_the_filesystem_refuses_direct_io_the_page_cache_is_used(tmp_path, monkeypatch, world_of_one):
@@ -108,7 +108,7 @@ def test_where_the_filesystem_refuses_direct_io_the_page_cache_is_used(tmp_path,
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(checkpoint_writer.os, "open", no_direct)
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
     cfg = _cfg(tmp_path)
     info = Checkpointer(cfg, 0, 1, _engine(cfg)).save(1, {})
     assert contract.verify_checkpoint(Path(info["folder"]), deep=True) is None
@@ -194,3 +194,43 @@ def test_only_a_discarded_checkpoint_is_removed_as_trash(tmp_path):
     with pytest.raises(contract.UnsafeDeletion):
         contract.remove_trash(keep)
     assert keep.is_dir()
+
+
+def test_a_file_renamed_while_it_is_flushed_is_flushed_under_its_new_name(tmp_path, monkeypatch):
+    """A synchronous save's flush runs beside DCP's rename of .metadata.tmp: never an error."""
+    written = checkpoint_writer.Written()
+    fs = checkpoint_writer._RecordingFileSystem(written, direct=False)
+    with fs.create_stream(tmp_path / ".metadata.tmp", "wb") as s:
+        s.write(b"metadata")
+    real_open = os.open
+
+    def open_after_the_rename(path, flags, *a):
+        if str(path).endswith(".tmp"):
+            fs.rename(tmp_path / ".metadata.tmp", tmp_path / ".metadata")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(checkpoint_writer.os, "open", open_after_the_rename)
+    written.fsync()
+    monkeypatch.undo()
+    assert written.result(tmp_path) == {".metadata": {"size": 8, "sha256": hashlib.sha256(b"metadata").hexdigest()}}
+    assert written.flushed == {str(tmp_path / ".metadata")}
+
+
+def test_a_failed_direct_write_raises_its_own_error(tmp_path, monkeypatch):
+    fd = direct_io.open_direct(tmp_path / "probe")
+    if fd is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    os.close(fd)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    stream = direct_io.open_stream(tmp_path / "shard", hashing=False)
+    assert isinstance(stream, direct_io.DirectStream)
+    monkeypatch.setattr(direct_io.os, "write", full)
+    with pytest.raises(OSError) as raised:
+        try:
+            stream.write(bytes(3 * direct_io.DIRECT_BUFFER))
+        finally:
+            stream.close(fsync=True)  # as DCP's stream is closed after a failed write
+    assert raised.value.errno == errno.ENOSPC, raised.value

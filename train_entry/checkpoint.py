@@ -414,6 +414,7 @@ class Checkpointer:
         Leftovers of saves that never committed are removed first (nothing writes at this point).
         ``extra_check`` (collective too): a further problem of a folder, for the integrations
         whose libraries unpickle files our loaders never open."""
+        self.close()  # no rotation deleting beside the removal of leftovers
         cleaned = contract.remove_leftovers(self.task_dir) if self.rank == 0 else []
         dist.barrier()
         candidates = [folder for _, folder in contract.committed_checkpoints(self.task_dir)]

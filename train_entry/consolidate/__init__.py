@@ -120,7 +120,9 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
             summary = export.write(reader, tmp, dtype, max_shard_bytes)
         else:
             summary = _write_all(reader, tmp, dtype, fmt, max_shard_bytes)
-        summary.update(source=str(folder.resolve()), step=manifest.get("step"), engine=manifest.get("engine"))
+        # write_s: reading and writing the tensors, after the checks (the benchmark's rate)
+        summary.update(source=str(folder.resolve()), step=manifest.get("step"), engine=manifest.get("engine"),
+                       write_s=round(time.time() - started, 3))
         contract.atomic_write_json(tmp / RECORD, summary)
         if out.exists():
             out.rmdir()  # empty, checked above

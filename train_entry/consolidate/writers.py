@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from train_entry import direct_io
 from train_entry.consolidate.items import ConsolidateError, Item
 
 
@@ -48,7 +49,9 @@ _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": 
 class SafetensorsWriter:
     """One safetensors file written a tensor at a time: the header is known from the
     plan, so no tensor waits for the others. The safetensors library only saves a dict
-    held whole in memory; its reader (and Hugging Face's) loads what this writes."""
+    held whole in memory; its reader (and Hugging Face's) loads what this writes.
+    Written around the page cache where the filesystem allows it (``direct_io``): the
+    disk writes one buffer while the next tensor is read into the other."""
 
     def __init__(self, path: Path, items: list[Item]):
         if sys.byteorder != "little":
@@ -63,7 +66,7 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self.path, self.expected, self.written = path, [it.name for it in items], []
-        self.fh = open(path, "wb")
+        self.fh = direct_io.open_stream(path, hashing=False)
         self.fh.write(len(raw).to_bytes(8, "little") + raw)
 
     def add(self, item: Item, tensor) -> None:
@@ -78,9 +81,7 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self.written != self.expected:
             raise AssertionError(f"{self.path}: {len(self.written)} of {len(self.expected)} tensors written")
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
+        self.fh.close(fsync=True)
 
 
 class TorchWriter:

@@ -106,10 +106,10 @@ class DCPState:
         if DCPState._async_group is None:  # the background writer must not share the training group
             DCPState._async_group = dist.new_group(backend="gloo")
         if self._stager is None:
-            self._stager = _KeptStager(self.device.type == "cuda")
+            self._stager = _KeptStager(self.device)
         # a tensor of the state that is not a parameter (a running statistic) may change in
         # the next forward; parameters and optimizer states only at the next optimizer step
-        params = {clean(n) for n, _ in self.model.named_parameters()}
+        params = {clean(n) for n, _ in self.model.named_parameters(remove_duplicate=False)}  # a tied weight under each name
         self._staged_before_forward = any(isinstance(v, torch.Tensor) and k not in params for k, v in state["model"].items())
         # the copy is made on a thread while the next forward and backward run; it must be done
         # before anything it copies changes (``wait_staged``); the writer writes from it
@@ -155,14 +155,17 @@ class _KeptStager:
     asynchronous save is taken from. On a thread: the copy is made while the next forward
     and backward run, and training waits for it only before it changes what is copied."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, device: torch.device):
         from concurrent.futures import ThreadPoolExecutor
 
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        cuda = device.type == "cuda"
         self.inner = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                   use_async_staging=False, use_non_blocking_copy=False))
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging")
+        # a new thread's current device is GPU 0: this rank's own, or it would open a context there
+        init = {"initializer": torch.cuda.set_device, "initargs": (device,)} if cuda else {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging", **init)
         self.copy = None  # a future of the last copy
         self.waiting = None  # the copy training has not waited for yet
 
