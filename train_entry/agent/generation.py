@@ -183,10 +183,13 @@ class Generation:
         self.codes = {r: None for r in self.procs}
 
     def _start_standbys(self, started: float) -> None:
-        """The next generation's ranks, warm, once this one's are past their own start-up:
-        once, while it trains undisturbed and a restart in place may still come. Never
-        fatal: a rank without a standby starts from nothing."""
-        if self.standbys is None or self.standbys_started or time.time() - started < START_AFTER_S:
+        """The next generation's ranks, warm, once this one's are past their own start-up
+        (every rank here beat from its training loop, or ``START_AFTER_S`` passed): once,
+        while it trains undisturbed and a restart in place may still come. Never fatal: a
+        rank without a standby starts from nothing."""
+        if self.standbys is None or self.standbys_started:
+            return
+        if time.time() - started < START_AFTER_S and not self._ranks_training():
             return
         self.standbys_started = True
         if self.generation >= self.cfg.retry.max_restarts or self.cancelled or self.first_failed is not None or self.flags.signals:
@@ -196,6 +199,16 @@ class Generation:
         except Exception as exc:  # noqa: BLE001 - an optimisation: never the launch's end
             print(f"orchestrate agent: no warm standby ranks ({type(exc).__name__}: {exc}); a restart starts them from nothing",
                   file=sys.stderr)
+
+    def _ranks_training(self) -> bool:
+        """Every rank of this generation on this node beat from its training loop (its
+        imports, model and checkpoint load done): the standbys' imports compete with none."""
+        for rank in self.procs:
+            hb = contract.read_json(contract.heartbeat_path(self.tdir, rank))
+            if not (isinstance(hb, dict) and hb.get("launch") == self.launch and hb.get("generation", 0) == self.generation
+                    and hb.get("phase") == contract.Phase.TRAIN):
+                return False
+        return bool(self.procs)
 
     def _spawn_standbys(self) -> None:
         base = self.ctx.node_rank * self.per_node

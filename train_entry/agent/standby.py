@@ -20,7 +20,7 @@ import time
 from train_entry.warm_rank import WORKER
 
 WARM_KINDS = ("gpt", "hf", "entrypoint")  # the models the built-in worker runs
-START_AFTER_S = 5.0  # after the generation started: its ranks are past their own imports by then
+START_AFTER_S = 5.0  # after the generation started, at the latest (sooner once its ranks train): past their imports by then
 ORDER_WRITE_S = 60.0  # an order larger than the pipe's buffer waits for the standby to read it: at most this
 
 
