@@ -56,3 +56,30 @@ def test_only_the_built_in_worker_gets_standbys():
     assert Standbys.wanted({"kind": "hf"}, {"kind": "deepspeed"}, 1) is not None
     assert Standbys.wanted({"kind": "script"}, {"kind": "ddp"}, 2) is None
     assert Standbys.wanted({"kind": "command"}, {"kind": "ddp"}, 2) is None
+
+
+def test_standbys_start_once_every_rank_of_the_generation_on_the_node_trains(tmp_path):
+    """Not before (their imports would compete with the ranks' own start-up), and not on a
+    beat of another launch or generation."""
+    from types import SimpleNamespace
+
+    from orchestrator import contract
+    from train_entry.agent.generation import Generation
+
+    gen = SimpleNamespace(procs={2: None, 3: None}, tdir=tmp_path, launch="7.0", generation=1)
+
+    def beat(rank, **over):
+        record = {"launch": "7.0", "generation": 1, "phase": "train", "step": 5, **over}
+        contract.atomic_write_json(contract.heartbeat_path(tmp_path, rank), record)
+
+    training = lambda: Generation._ranks_training(gen)  # noqa: E731
+    assert not training()  # no beat yet
+    beat(2)
+    beat(3, phase="init")
+    assert not training()  # rank 3 still starting
+    beat(3, generation=0)
+    assert not training()  # the last generation's beat
+    beat(3, launch="6.0")
+    assert not training()  # another launch's
+    beat(3)
+    assert training()

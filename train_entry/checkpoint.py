@@ -34,7 +34,7 @@ import torch
 from torch import distributed as dist
 
 from orchestrator import contract
-from train_entry import safeload
+from train_entry import direct_io, safeload
 
 RNG_DIR = "rng"
 
@@ -93,8 +93,7 @@ def _files(folder: Path) -> list[str]:
 def _fsync_all(paths: list[Path], errors: list[BaseException]) -> None:
     try:
         for path in paths:
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+            direct_io.fsync_file(path)
     except BaseException as exc:  # re-raised by the hashing thread: never a commit of unflushed files
         errors.append(exc)
 
@@ -272,7 +271,6 @@ class Checkpointer:
         tmp = self.begin(step)
         self._progress()
         _stall(step, self.rank)
-        self.engine.written = None
         future = self.engine.save_state(tmp, asynchronous=self.cfg.async_save and not final)
         if self.engine.written is not None:
             meta = {**meta, _WRITTEN: self.engine.written}
@@ -362,9 +360,8 @@ class Checkpointer:
         shares = gather(_hash_share(tmp, todo, self.rank, self.world, self.on_progress))
         final = None
         if self.rank == 0:
-            files = dict(known)
-            files.update({k: v for share in shares for k, v in share.items()})
-            files = {name: files[name] for name in names}
+            hashed = {k: v for share in shares for k, v in share.items()}
+            files = {name: known.get(name) or hashed[name] for name in names}
             manifest = {
                 "step": step,
                 "engine": self.engine_kind,

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from train_entry.direct_io import DirectStream, HashedStream, open_stream
+from train_entry.direct_io import DirectStream, HashedStream, fsync_file, open_stream
 
 
 class Written:
@@ -66,16 +66,12 @@ class Written:
                 todo = [p for p in self.files if p not in self.flushed]
             for path in todo:
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fsync_file(path)
                 except FileNotFoundError:
                     with self.lock:
                         if path not in self.files:
                             continue  # renamed meanwhile (DCP's .metadata.tmp): flushed under its new name
                     raise
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
                 with self.lock:
                     if path in self.files:
                         self.flushed.add(path)

@@ -220,3 +220,12 @@ def open_stream(path, hashing: bool = True, direct: bool = True) -> DirectStream
     if fd is not None:
         return DirectStream(fd, hashing)
     return HashedStream(open(path, "wb"), hashing)
+
+
+def fsync_file(path) -> None:
+    """Flush one file's data to disk (by path: any descriptor of the file flushes its pages)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
