@@ -30,6 +30,7 @@ from orchestrator.cli.main import main
 from orchestrator.contract import records, safe_read
 from orchestrator.contract.safe_read import BadRecord, read_jsonl
 from orchestrator.ledger import Ledger, access
+from orchestrator.ledger.values import json_safe
 from orchestrator.supervise import ingest, refresh
 from orchestrator.supervise.badrecords import SKIPPED
 from orchestrator.supervise.recovery import find_hang
@@ -588,14 +589,14 @@ KINDS = [*RECORD_FILES, *LINE_FILES]
 def _render_everything(ledger: Ledger) -> None:
     exps = ledger.find_experiments()
     doc = render.status_document(ledger, exps)
-    json.dumps(render.json_safe(doc), allow_nan=False)
+    json.dumps(json_safe(doc), allow_nan=False)
     from rich.console import Console
 
     Console(file=io.StringIO(), width=160).print(*render.status_tables(doc))
     for e in ledger.events(exps[0]["id"]):
         line = render.event_line(e)
         assert "\x1b" not in line and "\n" not in line
-    json.dumps(render.json_safe(ledger.events(exps[0]["id"])), allow_nan=False)
+    json.dumps(json_safe(ledger.events(exps[0]["id"])), allow_nan=False)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,6 +7,7 @@ import sys
 
 from orchestrator.cli import render
 from orchestrator.cli.console import stdout_console
+from orchestrator.ledger.values import json_safe
 from orchestrator.supervise import watcher
 from orchestrator.states import TaskState
 
@@ -24,7 +25,7 @@ def follow_experiment(ledger, exp_id: str, as_json: bool, interval: float) -> in
         return 130
     doc = render.status_document(ledger, [exp])
     if as_json:
-        print(json.dumps(render.json_safe(doc), indent=2))
+        print(json.dumps(json_safe(doc), indent=2))
     else:
         stdout_console().print(*render.status_tables(doc))
     return 0 if exp["state"] == TaskState.COMPLETED.value else 1

@@ -17,6 +17,7 @@ from orchestrator.cli import render
 from orchestrator.cli.console import stdout_console
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
+from orchestrator.ledger.values import json_safe
 from orchestrator.supervise import refresh
 from orchestrator.states import TaskState
 
@@ -30,7 +31,7 @@ def cmd_status(args) -> int:
     exps = [ledger.experiment(e["id"]) for e in exps]
     doc = render.status_document(ledger, exps)
     if args.json:
-        print(json.dumps(render.json_safe(doc), indent=2))
+        print(json.dumps(json_safe(doc), indent=2))
         return 0
     if not exps:
         print("no experiments yet; start one with `orchestrate submit SPEC`")
@@ -50,7 +51,7 @@ def cmd_events(args) -> int:
                 e["data"] = json.loads(e["data"]) if isinstance(e.get("data"), str) else None
             except ValueError:
                 e["data"] = None
-        print(json.dumps(render.json_safe(events), indent=2))
+        print(json.dumps(json_safe(events), indent=2))
     else:
         for e in events:
             print(render.event_line(e))

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from orchestrator.contract.safe_read import cut
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.values import as_text
 
 if TYPE_CHECKING:
     from rich.table import Table  # imported where a table is made: status of a sweep needs none
@@ -36,18 +37,6 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u00ad\u061c\u115f\u1160\u180e\u200b-\
 def _escape(match: re.Match) -> str:
     code = ord(match.group())
     return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
-
-
-def as_text(value: Any) -> str:
-    """Any ledger value as text: bytes decoded, never raising."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    try:
-        return str(value)
-    except Exception:  # an int too long to print, an object whose __str__ raises
-        return f"<{type(value).__name__}>"
 
 
 def printable(value: Any, limit: int = MESSAGE_MAX) -> str:
@@ -134,19 +123,6 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
             }
         )
     return {"experiments": out}
-
-
-def json_safe(value: Any) -> Any:
-    """Ledger rows as strict JSON: bytes as text, NaN and infinities as null."""
-    if isinstance(value, dict):
-        return {as_text(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if value is None or isinstance(value, (str, int, float)):
-        return value
-    return as_text(value)
 
 
 _STYLE = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan", "RECOVERING": "magenta"}

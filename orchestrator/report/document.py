@@ -10,8 +10,8 @@ import time
 from collections import defaultdict
 from dataclasses import asdict
 
-from orchestrator.cli.render import json_safe
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.values import json_safe
 from orchestrator.report import goodput
 from orchestrator.report.records import read_task
 from orchestrator.states import AttemptState
