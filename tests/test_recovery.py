@@ -3,7 +3,7 @@ failed attempts, backoff and the lease."""
 
 import dataclasses
 
-from orchestrator import contract
+from orchestrator import backoff, contract
 from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler.local import LocalScheduler
@@ -111,9 +111,9 @@ def test_a_save_whose_node_could_not_requeue_is_requeued_at_once_and_uses_up_no_
 
 
 def test_backoff_grows_and_is_capped():
-    delays = [recovery.backoff_s(n, 10, 60) for n in range(1, 7)]
+    delays = [backoff.backoff_s(n, 10, 60) for n in range(1, 7)]
     assert delays[1] > delays[0] and max(delays) <= 60 and delays[-1] == 60
-    assert recovery.backoff_s(3, 0, 60) == 0
+    assert backoff.backoff_s(3, 0, 60) == 0
 
 
 def test_one_watcher_holds_an_experiments_lease_until_it_expires_and_actions_are_recorded_once():

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from orchestrator.contract.safe_read import cut
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.names import watch_lease
 from orchestrator.ledger.values import as_text
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
                 "executor": exp["executor"],
                 "created_at": exp["created_at"],
                 "run_dir": exp["run_dir"],
-                "watcher": (ledger.lease(f"watch:{exp['id']}") or {}).get("owner"),
+                "watcher": (ledger.lease(watch_lease(exp["id"])) or {}).get("owner"),
                 "tasks": tasks,
             }
         )

@@ -28,11 +28,11 @@ import queue
 import time
 from typing import Callable, Mapping
 
+from orchestrator import backoff
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.names import watch_lease
 from orchestrator.notify import TRIGGERS, triggers
 from orchestrator.notify.webhook import Job, Outcome, Sender, url_problem
-from orchestrator.supervise.refresh import lease_name as watch_lease
-from orchestrator.supervise import recovery
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ OUTCOMES = ("notify.sent", "notify.failed", "notify.dropped")
 def backoff_s(attempts: int) -> float:
     """The wait after ``attempts`` failed tries: 30 s doubling up to 2 h (20 tries: ~24 h);
     recovery's backoff, without jitter (one sender, one row at a time)."""
-    return recovery.backoff_s(attempts, BACKOFF_S, BACKOFF_MAX_S, jitter=False)
+    return backoff.backoff_s(attempts, BACKOFF_S, BACKOFF_MAX_S, jitter=False)
 
 
 def settings(exp: dict) -> dict | None:

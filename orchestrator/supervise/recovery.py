@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import tenacity
-
+from orchestrator.backoff import backoff_s
 from orchestrator.contract import ExitCode, FailureKind, Phase, TextEnum
 from orchestrator.contract.generations import STOP_BARRIER_S
 from orchestrator.contract.taskconfig import Heartbeat, Retry
@@ -105,20 +104,6 @@ class Recovery:
     cause: str = ""
     exclude: tuple[str, ...] = ()
     delay_s: float = 0.0
-
-
-def backoff_s(recovery_number: int, initial: float, maximum: float, jitter: bool = True) -> float:
-    """Delay before the ``recovery_number``-th recovery (or retry) may start: exponential,
-    with jitter unless told (tenacity's strategy, so many tasks failing at once do not come
-    back at once)."""
-    if initial <= 0:
-        return 0.0
-    state = tenacity.RetryCallState(None, None, (), {})
-    state.attempt_number = max(1, recovery_number)
-    wait = tenacity.wait_exponential(multiplier=initial, max=maximum)
-    if jitter:
-        wait = wait + tenacity.wait_random(0, initial / 4)
-    return float(min(maximum, wait(state)))
 
 
 def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry, action: dict | None, now: float) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.names import watch_lease
 from orchestrator.scheduler import JobRef, Observation, Scheduler, get_scheduler
 from orchestrator.contract.safe_read import cut
 from orchestrator.supervise import badrecords, ingest, reconcile
@@ -280,12 +281,7 @@ def for_reader(ledger: Ledger, experiments: list[dict]) -> None:
     write lock and ask SLURM a second time; and on a ledger other hosts see (a watcher in
     a SLURM job) that watcher must be the one writer: a login node refreshing at the same
     time would be a second host writing SQLite over the network filesystem."""
-    refresh(ledger, [e for e in experiments if ledger.lease(lease_name(e["id"])) is None])
-
-
-def lease_name(exp_id: str) -> str:
-    """The name of the lease the watcher of an experiment holds."""
-    return f"watch:{exp_id}"
+    refresh(ledger, [e for e in experiments if ledger.lease(watch_lease(e["id"])) is None])
 
 
 def not_watched_elsewhere(ledger: Ledger, experiments: list[dict]) -> list[dict]:
@@ -297,7 +293,7 @@ def not_watched_elsewhere(ledger: Ledger, experiments: list[dict]) -> list[dict]
 
 
 def _watched_elsewhere(ledger: Ledger, exp_id: str, here: str) -> bool:
-    lease = ledger.lease(lease_name(exp_id))
+    lease = ledger.lease(watch_lease(exp_id))
     return lease is not None and str(lease["owner"]).split(":", 1)[0] != here
 
 

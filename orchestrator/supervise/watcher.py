@@ -28,6 +28,7 @@ from orchestrator.contract import ExitCode, FailureKind, GenerationAction, Reque
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.names import watch_lease as lease_name
 from orchestrator.notify.outbox import Notifier
 from orchestrator.report import stored
 from orchestrator.scheduler import JobRef, get_scheduler, site_limits
@@ -48,9 +49,6 @@ def _fault_point(name: str) -> None:
 
 
 POLL_MAX_S = 60.0  # the longest the watcher goes without asking SLURM while every job runs or waits quietly
-
-
-lease_name = refresh.lease_name
 
 
 ALL_LEASE = "watch:*"  # held by a watcher of every live experiment, new ones included
