@@ -2,7 +2,7 @@ import time
 
 from orchestrator import contract
 from orchestrator.supervise import ingest
-from orchestrator.supervise.launches import LaunchRecord, read_launches
+from orchestrator.runfolder.launches import LaunchRecord, read_launches
 from orchestrator.ledger import Ledger
 from orchestrator.contract import ExitCode
 from orchestrator.supervise.reconcile import decide

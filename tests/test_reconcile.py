@@ -12,7 +12,7 @@ from orchestrator.ledger import Ledger
 from orchestrator.scheduler.base import Observation
 from orchestrator.scheduler.local import LocalScheduler
 from orchestrator.scheduler.slurm import SlurmScheduler
-from orchestrator.supervise.launches import LaunchRecord
+from orchestrator.runfolder.launches import LaunchRecord
 from orchestrator.supervise.reconcile import (
     SCHEDULER_VERDICT_WAIT_S,
     AddAttempt,

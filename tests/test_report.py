@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.report import goodput
 from orchestrator.report.records import TaskRecords
-from orchestrator.supervise.launches import LaunchRecord
+from orchestrator.runfolder.launches import LaunchRecord
 
 STEP = 1.0  # seconds per step
 

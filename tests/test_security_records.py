@@ -32,7 +32,7 @@ from orchestrator.contract.safe_read import BadRecord, read_jsonl
 from orchestrator.ledger import Ledger, access
 from orchestrator.ledger.values import json_safe
 from orchestrator.supervise import ingest, refresh
-from orchestrator.supervise.badrecords import SKIPPED
+from orchestrator.runfolder.badrecords import SKIPPED
 from orchestrator.supervise.recovery import find_hang
 from orchestrator.contract.taskconfig import Heartbeat
 

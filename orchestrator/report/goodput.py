@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from orchestrator.report.records import TaskRecords
-from orchestrator.supervise.launches import LaunchRecord
+from orchestrator.runfolder.launches import LaunchRecord
 
 CATEGORIES = ("productive", "startup", "checkpoint_load", "checkpoint_blocked", "eval_consolidation", "recomputed",
               "failure_detection", "shutdown", "unattributed")

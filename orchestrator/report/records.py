@@ -12,7 +12,7 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.contract import records
 from orchestrator.contract.safe_read import BadRecord, Schema, count, duration, launch_name, name, nullable, number, read_jsonl
-from orchestrator.supervise.launches import LaunchRecord, read_launches
+from orchestrator.runfolder.launches import LaunchRecord, read_launches
 
 METRIC_LINE = Schema(
     "metrics line",

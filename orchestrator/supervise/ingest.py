@@ -17,9 +17,9 @@ from orchestrator import contract
 from orchestrator.contract import GenerationAction, records
 from orchestrator.contract.safe_read import BadRecord, Lines, Schema, read_jsonl
 from orchestrator.ledger import Ledger
-from orchestrator.supervise import badrecords
-from orchestrator.supervise.badrecords import Problem, Problems
-from orchestrator.supervise.launches import LaunchRecord
+from orchestrator.runfolder import badrecords
+from orchestrator.runfolder.badrecords import Problem, Problems
+from orchestrator.runfolder.launches import LaunchRecord
 
 
 _HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "time")

@@ -14,7 +14,7 @@ from typing import Any, Union
 
 from orchestrator.contract import ExitCode, FailureKind, GenerationAction, RequeueBy, RequeueCause
 from orchestrator.scheduler.base import Capabilities, Observation
-from orchestrator.supervise.launches import LaunchRecord
+from orchestrator.runfolder.launches import LaunchRecord
 from orchestrator.states import AttemptState, TaskState, attempt_state_for_exit
 
 

@@ -21,8 +21,9 @@ from orchestrator.ledger import Ledger
 from orchestrator.ledger.names import watch_lease
 from orchestrator.scheduler import JobRef, Observation, Scheduler, get_scheduler
 from orchestrator.contract.safe_read import cut
-from orchestrator.supervise import badrecords, ingest, reconcile
-from orchestrator.supervise.launches import read_launches
+from orchestrator.runfolder import badrecords
+from orchestrator.supervise import ingest, reconcile
+from orchestrator.runfolder.launches import read_launches
 from orchestrator.states import AttemptState, TaskState
 
 log = logging.getLogger(__name__)

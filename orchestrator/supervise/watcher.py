@@ -34,8 +34,9 @@ from orchestrator.report import stored
 from orchestrator.scheduler import JobRef, get_scheduler, site_limits
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.contract import records
-from orchestrator.supervise import badrecords, recovery, refresh
-from orchestrator.supervise.launches import read_generation_ends, read_launch, read_launches
+from orchestrator.runfolder import badrecords
+from orchestrator.supervise import recovery, refresh
+from orchestrator.runfolder.launches import read_generation_ends, read_launch, read_launches
 from orchestrator.supervise.recovery import RecoveryKind
 from orchestrator.states import ActionState, AttemptState, TaskState
 

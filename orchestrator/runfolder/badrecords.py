@@ -1,9 +1,10 @@
 """Run-folder records the login side skips, and the one event that says so.
 
-The readers (``ingest``, ``launches``) read every record through ``contract.safe_read``
-and collect what they skipped as ``Problem``s instead of raising; ``report`` turns each
-into a ``record.skipped`` event of its task, once: a record that stays bad (a damaged
-heartbeat rewritten every few seconds) is not reported again every refresh.
+The readers (``supervise.ingest``, ``launches``) read every record through
+``contract.safe_read`` and collect what they skipped as ``Problem``s instead of raising;
+``report`` turns each into a ``record.skipped`` event of its task, once: a record that
+stays bad (a damaged heartbeat rewritten every few seconds) is not reported again every
+refresh.
 """
 
 from __future__ import annotations

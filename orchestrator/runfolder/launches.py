@@ -11,8 +11,8 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.contract import records
 from orchestrator.contract.safe_read import Schema
-from orchestrator.supervise import badrecords
-from orchestrator.supervise.badrecords import Problem, Problems
+from orchestrator.runfolder import badrecords
+from orchestrator.runfolder.badrecords import Problem, Problems
 
 _ROOT_CAUSE_RANK = {
     contract.ExitCode.USER_ERROR: 0,
