@@ -496,7 +496,7 @@ def leaks(ledger, exp_id, *parts):
     ("https://h\u00f6oks.example.org/services/TOPSECRET", "not ASCII"),
 ])
 def test_a_url_with_a_user_or_not_ascii_is_refused_without_repeating_it(tmp_path, url, words):
-    from orchestrator.notify.webhook import url_problem
+    from orchestrator.spec.notifications import url_problem
 
     problem = url_problem(url)
     assert problem and words in problem and "TOPSECRET" not in problem

@@ -21,8 +21,9 @@ from conftest import write
 from orchestrator.errors import SpecError, UserError
 from orchestrator.scheduler.slurm_script import batch_parameters, check_parameters, render_batch_script
 from orchestrator.spec.experiment import Spec
+from orchestrator.scheduler import fragments
 from orchestrator.spec.load import load_spec
-from orchestrator.submit import fragments
+from orchestrator.spec.templates import fragment_names
 from orchestrator.submit.submission import make_plan
 
 MARK = "PWNED"  # the file an injected command would create in the script's folder
@@ -423,7 +424,7 @@ def test_a_template_name_is_never_a_path(templates):
 def test_the_shipped_templates_render_and_run(tmp_path, monkeypatch):
     monkeypatch.delenv("ORCHESTRATE_TEMPLATES", raising=False)
     values = {"name": "n", "experiment_id": "0123abcd", "run_dir": "/scratch/my runs/n-0123abcd"}
-    lines = [l for name in ["common", *fragments.available()] for l in fragments.render(name, values)]
+    lines = [l for name in ["common", *fragment_names()] for l in fragments.render(name, values)]
     out, argvs = run_script("\n".join(lines) + "\nprintf '%s\\n' \"$ORCHESTRATE_RUN_DIR\"\n", tmp_path)
     assert out.returncode == 0 and argvs == [], out.stderr
     assert out.stdout.decode().startswith("orchestrate: n (0123abcd) job ")

@@ -5,7 +5,3 @@ webhook by the watcher.
 the ledger until delivered (the watcher's thread, the ledger's only writer), and
 ``webhook`` sends them from one background thread that never touches the ledger.
 """
-
-from __future__ import annotations
-
-TRIGGERS = ("failed", "recovered", "completed", "needs_attention")

@@ -31,8 +31,9 @@ from typing import Callable, Mapping
 from orchestrator import backoff
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.names import watch_lease
-from orchestrator.notify import TRIGGERS, triggers
-from orchestrator.notify.webhook import Job, Outcome, Sender, url_problem
+from orchestrator.notify import triggers
+from orchestrator.notify.webhook import Job, Outcome, Sender
+from orchestrator.spec.notifications import TRIGGERS, url_problem
 
 log = logging.getLogger(__name__)
 

@@ -22,27 +22,6 @@ from orchestrator.contract.safe_read import cut
 log = logging.getLogger(__name__)
 
 
-def url_problem(url: str) -> str | None:
-    """Why ``url`` cannot be a webhook, without repeating it (None: it can)."""
-    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url):
-        return "contains whitespace or a control character"
-    if not url.isascii():  # http.client sends ASCII only: such a URL would fail on every try
-        return "has characters that are not ASCII; give it percent-encoded, as the service shows it"
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
-    except ValueError:
-        return "is not a URL"
-    if parts.scheme not in ("http", "https"):
-        return f"must be an http:// or https:// URL (not {parts.scheme + ':' if parts.scheme else 'without a scheme'})"
-    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
-        # urllib sends no basic auth from the URL, and http.client's errors would quote it
-        return "has a user name or password before the host (user:password@); a webhook carries its secret in the path"
-    if not parts.hostname:
-        return "has no host"
-    return None
-
-
 @dataclass(frozen=True)
 class Job:
     row_id: int

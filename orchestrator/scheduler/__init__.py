@@ -1,7 +1,8 @@
-"""Where tasks run: one interface (``base``), SLURM through submitit (``slurm``, with
-its output parsed at one boundary in ``slurm_parse``), and the local executor
-(``local``). ``commands`` is the one place that runs external programs; ``site_limits``
-says how a sweep fits under a site's array and queue limits."""
+"""Where tasks run: one interface (``base``) taking one request (``request.Plan``),
+SLURM through submitit (``slurm``, its batch script in ``slurm_script`` with the setup
+``fragments``, its output parsed at one boundary in ``slurm_parse``), and the local
+executor (``local``). ``commands`` is the one place that runs external programs;
+``site_limits`` says how a sweep fits under a site's array and queue limits."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from orchestrator.states import AttemptState
 
 if TYPE_CHECKING:  # read commands never build a plan: the spec's models stay unimported
     from orchestrator.scheduler.site_limits import Room
-    from orchestrator.submit.plan import Plan
+    from orchestrator.scheduler.request import Plan
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from orchestrator.scheduler.site_limits import Room
 from orchestrator.scheduler.base import Capabilities, JobRef, Observation
 
 if TYPE_CHECKING:  # a poll never builds a plan: the spec's models stay unimported
-    from orchestrator.submit.plan import Plan
+    from orchestrator.scheduler.request import Plan
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from orchestrator.scheduler.slurm_parse import SACCT_FIELDS, by_key, history, lo
 from orchestrator.states import AttemptState
 
 if TYPE_CHECKING:
-    from orchestrator.submit.plan import Plan
+    from orchestrator.scheduler.request import Plan
 
 log = logging.getLogger(__name__)
 

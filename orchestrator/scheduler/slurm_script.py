@@ -24,10 +24,11 @@ import sys
 from pathlib import Path
 
 from orchestrator.errors import UserError
+from orchestrator.scheduler import fragments
+from orchestrator.scheduler.request import Plan
 from orchestrator.spec import slurmtext
 from orchestrator.spec.units import parse_memory_mb
-from orchestrator.submit import fragments
-from orchestrator.submit.plan import Plan
+
 
 def submitit_folder(plan: Plan) -> Path:
     return plan.run_dir / "submitit"

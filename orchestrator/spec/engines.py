@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, Tag, field_validator, model_validator
 
 from orchestrator.spec.strict import FieldError, Strict, kind_discriminator
+from orchestrator.spec.templates import check_overrides, deepspeed_names, load_deepspeed
 
 
 class _EngineCommon(Strict):
@@ -92,11 +93,9 @@ class DeepSpeedEngine(_EngineCommon):
             raise FieldError(("offload_optimizer",), "optimizer offload needs stage 1, 2 or 3")
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise FieldError(("nvme_path",), "NVMe offload needs nvme_path: a fast local folder on every node")
-        from orchestrator.submit.deepspeed_config import check_overrides, load_template, template_names
-
-        if self.template not in template_names():
-            raise FieldError(("template",), f"no DeepSpeed template '{self.template[:60]}'; available: {', '.join(template_names())}")
-        for path, message in check_overrides(self.config, load_template(self.template)):
+        if self.template not in deepspeed_names():
+            raise FieldError(("template",), f"no DeepSpeed template '{self.template[:60]}'; available: {', '.join(deepspeed_names())}")
+        for path, message in check_overrides(self.config, load_deepspeed(self.template)):
             raise FieldError(("config", *path), message)
         return self
 

@@ -12,9 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from orchestrator.notify import TRIGGERS
-from orchestrator.notify.webhook import url_problem
 from orchestrator.spec import slurmtext
+from orchestrator.spec.notifications import TRIGGERS, url_problem
 from orchestrator.spec.strict import (
     DAY_S,
     MAX_GLOBAL_BATCH,
@@ -26,6 +25,7 @@ from orchestrator.spec.strict import (
     Strict,
     dotted_keys,
 )
+from orchestrator.spec.templates import fragment_names
 from orchestrator.spec.units import parse_bytes, parse_memory_mb, parse_slurm_time
 
 
@@ -167,9 +167,7 @@ class Resources(Strict):
     @field_validator("setup_templates")
     @classmethod
     def _templates(cls, v: list[str]) -> list[str]:
-        from orchestrator.submit.fragments import available
-
-        known = available()
+        known = fragment_names()
         for name in v:
             if name not in known:
                 raise ValueError(f"no setup template '{name}'; available: {', '.join(known) or 'none'}")

@@ -14,7 +14,7 @@ value must mean the same to both, so:
 
 Where SLURM has a grammar (partition, account and QOS names, feature expressions,
 host lists) the value must follow it. The same checks run again where the script is
-written (``orchestrator.scheduler.slurm``, ``orchestrator.submit.fragments``), for
+written (``orchestrator.scheduler.slurm``, ``orchestrator.scheduler.fragments``), for
 values that never went through a spec.
 """
 

@@ -1,3 +1,4 @@
-"""From a validated spec to submitted jobs: the plan (no side effects), the DeepSpeed config and
-sbatch fragments it renders, the memory planner, and ``submission`` (the one step
-with side effects: run folder, ledger rows, scheduler)."""
+"""From a validated spec to submitted jobs: the plan (no side effects; the type is the
+scheduler's, ``scheduler.request``), the DeepSpeed config it renders, the memory
+planner, and ``submission`` (the one step with side effects: run folder, ledger rows,
+scheduler)."""

@@ -1,64 +1,18 @@
-"""Spec -> submission plan: everything that will be written and submitted. No side
-effects: it reads only the DeepSpeed templates; ``submission`` writes and submits."""
+"""Spec -> submission plan (``scheduler.request.Plan``, what the scheduler takes):
+everything that will be written and submitted. No side effects: it reads only the
+DeepSpeed templates; ``submission`` writes and submits."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from orchestrator.submit import deepspeed_config
 
 from orchestrator import contract
+from orchestrator.scheduler.request import Plan, PlannedTask
 from orchestrator.spec.experiment import Spec
-from orchestrator.spec.sections import Resources
 from orchestrator.spec.sweep import TaskSpec
 from orchestrator.spec.units import parse_bytes
-
-
-@dataclass(frozen=True)
-class PlannedTask:
-    index: int
-    params: dict[str, Any]
-    task_dir: Path
-    config: contract.TaskConfig  # written to task.json; what the trainer runs
-    spec: Spec | None = None  # the validated spec of this task (the sweep point applied)
-
-
-@dataclass(frozen=True)
-class Plan:
-    experiment_id: str
-    name: str
-    executor: str
-    spec_path: str
-    run_dir: Path
-    resources: Resources
-    max_parallel: int | None
-    spec: Spec
-    tasks: list[PlannedTask] = field(default_factory=list)
-    # the defaults files under the spec and where each value came from (``layers.explain``)
-    sources: dict = field(default_factory=dict)
-
-    def summary(self) -> dict:
-        r = self.resources
-        return {
-            "experiment": self.name,
-            "id": self.experiment_id,
-            "executor": self.executor,
-            "run_dir": str(self.run_dir),
-            "tasks": len(self.tasks),
-            "max_parallel": self.max_parallel,
-            "per_task": {
-                "nodes": r.nodes,
-                "ranks_per_node": r.tasks_per_node,
-                "world_size": r.world_size,
-                "cpus_per_rank": r.cpus_per_task,
-                "gpus_per_rank": r.gpus_per_task,
-                "time": r.time,
-            },
-            "params": [t.params for t in self.tasks],
-        }
+from orchestrator.submit import deepspeed_config
 
 
 def build_plan(spec: Spec, tasks: list[TaskSpec], *, experiment_id: str, executor: str, spec_path: str, workdir: Path) -> Plan:

@@ -14,13 +14,14 @@ from orchestrator.contract import perms
 from orchestrator.errors import SpecError, SpecIssue, UserError
 from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
+from orchestrator.scheduler.request import Plan
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.spec import defaults, yamlsrc
 from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
 from orchestrator.submit import preflight
-from orchestrator.submit.plan import Plan, build_plan
+from orchestrator.submit.plan import build_plan
 
 
 def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:

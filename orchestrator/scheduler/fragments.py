@@ -1,4 +1,5 @@
-"""Shell fragments for the batch script, kept as files in ``templates/sbatch``.
+"""Shell fragments for the batch script, kept as files in ``templates/sbatch`` (found,
+and named to the spec, by ``spec.templates``).
 
 ``common.sh`` is always included; the spec names any others
 (``resources.setup_templates``). ``{{key}}`` placeholders are filled in from the
@@ -10,51 +11,27 @@ left to the shell.
 
 from __future__ import annotations
 
-import importlib.resources
-import os
 import re
 import shlex
-from pathlib import Path
 
-from orchestrator.contract import envvars
 from orchestrator.errors import UserError
 from orchestrator.spec import slurmtext
+from orchestrator.spec.templates import COMMON, fragment_names, templates_dir
 
-COMMON = "common"
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 _HEREDOC = re.compile(r"(?<!<)<<-?(?!<)\s*(['\"]?)(\w+)\1")
-
-
-def templates_dir() -> Path:
-    """$ORCHESTRATE_TEMPLATES, else the installed package's templates.
-
-    The top-level ``templates/`` folder is installed as the package
-    ``orchestrator.templates`` (pyproject.toml); running from a checkout that was never
-    installed, it is that folder."""
-    if env := os.environ.get(envvars.TEMPLATES):
-        return Path(env)
-    try:
-        return Path(str(importlib.resources.files("orchestrator.templates")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "templates"
-
-
-def available() -> list[str]:
-    """Names of the optional fragments (``common`` is always used, never named)."""
-    d = templates_dir() / "sbatch"
-    return sorted(p.stem for p in d.glob("*.sh") if p.stem != COMMON) if d.is_dir() else []
 
 
 def render(name: str, values: dict[str, str]) -> list[str]:
     """The fragment's lines, every placeholder replaced by its value as one shell word."""
     if not slurmtext.TEMPLATE_NAME.fullmatch(name):  # a file name in templates/sbatch, never a path
-        known = ", ".join(available()) or "none"
+        known = ", ".join(fragment_names()) or "none"
         raise UserError(f"setup template name {slurmtext.shown(name)} is not a file name; available: {known}")
     path = templates_dir() / "sbatch" / f"{name}.sh"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
-        raise UserError(f"setup template '{name}' not found ({path}); available: {', '.join(available()) or 'none'}") from None
+        raise UserError(f"setup template '{name}' not found ({path}); available: {', '.join(fragment_names()) or 'none'}") from None
     _outside_heredocs(text, str(path))
     words = {key: shell_word(key, value) for key, value in values.items()}
     lines = text.rstrip("\n").splitlines()
