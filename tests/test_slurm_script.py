@@ -165,15 +165,15 @@ def test_container_mounts_and_images_are_checked_at_the_spec(tmp_path):
 
 
 def test_a_resubmission_reads_the_saved_python_back_as_plain_words():
-    from orchestrator.scheduler.slurm_script import _python_words
+    from orchestrator.scheduler.slurm_script import python_words
 
-    assert _python_words("apptainer exec --bind /r,/d /i.sif python3") == "apptainer exec --bind /r,/d /i.sif python3"
-    assert _python_words("'/my env/python'") == "'/my env/python'"
-    assert _python_words("python; rm -rf ~") == "'python;' rm -rf '~'"  # words, never shell syntax
+    assert python_words("apptainer exec --bind /r,/d /i.sif python3") == "apptainer exec --bind /r,/d /i.sif python3"
+    assert python_words("'/my env/python'") == "'/my env/python'"
+    assert python_words("python; rm -rf ~") == "'python;' rm -rf '~'"  # words, never shell syntax
     import sys
-    assert _python_words("a\nb") == "a b"  # a line break is only a space between words
+    assert python_words("a\nb") == "a b"  # a line break is only a space between words
     for damaged in (None, 42, "", "'unterminated"):
-        assert _python_words(damaged) == sys.executable
+        assert python_words(damaged) == sys.executable
 
 
 def test_site_limits_are_read_from_slurm_and_a_sweep_over_the_queue_room_waits_for_a_watcher_or_is_refused(tmp_path):

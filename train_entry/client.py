@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator import contract
 from orchestrator.contract import ExitCode
@@ -70,6 +70,25 @@ class Run:
         if loss is not None:
             self._hb.metric(step, float(loss), lr, throughput)
 
+    def beat(self, step: int, phase: str, force: bool = False) -> None:
+        """A heartbeat in ``phase`` (``contract.Phase``: a save's allows a longer silence); at
+        most once per heartbeat interval unless forced or the phase changed."""
+        self._hb.beat(step, phase, force=force)
+
+    def set_step_time(self, seconds: float) -> None:
+        """The last step's duration, written with the next heartbeat (hang detection learns
+        its timeout from the slowest step)."""
+        self._hb.step_time_s = seconds
+
+    def metric(self, step: int, loss: float | None, lr: float | None = None, throughput: float | None = None,
+               eval_loss: float | None = None) -> None:
+        """A metrics row (rank 0 writes it): the ledger keeps one per step, the newest."""
+        self._hb.metric(step, loss, lr, throughput, eval_loss=eval_loss)
+
+    def event(self, kind: str, cause: str, **extra) -> None:
+        """An event for the ledger (rank 0 writes it), with ``extra`` facts."""
+        self._hb.event(kind, cause, **extra)
+
     def should_stop(self) -> bool:
         """Collective: True on every rank once any rank got the checkpoint signal."""
         import torch
@@ -84,10 +103,18 @@ class Run:
     def resume(self) -> Resume | None:
         """Collective: the newest committed checkpoint that verifies (damaged ones are skipped
         and recorded), or None. Load your state from ``.folder``; ``.step`` is its step."""
-        found = self._ckpt.find_resume()
-        found.report(self._hb)
+        found = self.find_resume()
         self._resumed = found if found.folder is not None else None
         return self._resumed
+
+    def find_resume(self, extra_check: Callable[[Path], str | None] | None = None) -> Resume:
+        """Collective: the search ``resume`` makes, each candidate folder also passed to
+        ``extra_check`` (what is wrong with it, or None) where given; what was found and
+        skipped is recorded. Returns the ``Resume`` even when none was found (folder None).
+        For integrations that load the state themselves (``check_resume`` does not apply)."""
+        found = self._ckpt.find_resume(extra_check)
+        found.report(self._hb)
+        return found
 
     def begin_checkpoint(self, step: int) -> Path:
         """Collective: an empty folder to save step ``step`` into; not a checkpoint until committed."""
@@ -108,6 +135,13 @@ class Run:
         info = self._ckpt.commit(step, meta)
         self._hb.event("checkpoint.committed", f"step {step} saved by the script in {info['total_s']:.2f} s", **info)
         return Path(info["folder"]) if info["folder"] else contract.checkpoints_dir(self.task_dir) / contract.checkpoint_name(step)
+
+    def commit_with_metadata(self, step: int, meta: dict) -> dict:
+        """Collective: commit step ``step``'s folder (files hashed, manifest last, pruned)
+        with ``meta`` in its manifest as given: no fingerprint added, no event written.
+        Returns what the commit did (``folder``, ``total_s``, ...). For integrations that
+        fingerprint and report the save themselves; a script wants ``commit_checkpoint``."""
+        return self._ckpt.commit(step, meta)
 
     def check_resume(self, model) -> None:
         """Collective, after you loaded the state of ``resume().folder`` and before the first step:

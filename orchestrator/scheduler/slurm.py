@@ -339,7 +339,7 @@ def _saved_executor(run_dir: Path, tag: str, adjust):
     params = contract.read_json(params_path(run_dir))
     if params is None:
         raise SchedulerError(f"cannot submit: {params_path(run_dir)} is missing")
-    python = script._python_words(params.pop(PYTHON_KEY, None))
+    python = script.python_words(params.pop(PYTHON_KEY, None))
     params["job_name"] = f"{params['job_name']}-{tag}"
     adjust(params)
     script.check_parameters(params, Path(run_dir) / "submitit")

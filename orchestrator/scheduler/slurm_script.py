@@ -259,7 +259,7 @@ def explain_refusal(stderr: str, plan: Plan) -> str:
     return f"SLURM refuses the job array: {said}" + "".join(f"\n  {h}" for h in hints)
 
 
-def _python_words(text) -> str:
+def python_words(text) -> str:
     """The saved Python command, as plain words again (never shell syntax); this
     interpreter when the file has none (written before containers) or a damaged one."""
     try:

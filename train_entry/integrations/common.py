@@ -46,9 +46,7 @@ def _pickle_problem(folder: Path, rank: int, world: int) -> str | None:
 def find_resume(run) -> Resume:
     """Collective: the newest committed checkpoint that verifies (manifest, sizes, sha256) and
     whose pickles load within the allow-lists; damaged ones are skipped and reported."""
-    found = run._ckpt.find_resume(lambda folder: _pickle_problem(folder, run.rank, run.world_size))
-    found.report(run._hb)
-    return found
+    return run.find_resume(lambda folder: _pickle_problem(folder, run.rank, run.world_size))
 
 
 def check_resumed(run, folder: Path, model) -> None:
@@ -58,7 +56,7 @@ def check_resumed(run, folder: Path, model) -> None:
     try:
         fingerprint.check_resume(folder, model)
     except fingerprint.ResumeMismatch as exc:
-        run._hb.event("checkpoint.mismatch", str(exc), folder=str(folder))
+        run.event("checkpoint.mismatch", str(exc), folder=str(folder))
         print(f"orchestrate: {exc}", file=sys.stderr, flush=True)
         sys.exit(ExitCode.USER_ERROR)
 
@@ -73,7 +71,7 @@ def commit_saved(run, step: int, src: Path | None, model, meta: dict) -> Path:
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    run._hb.beat(step, contract.Phase.SAVING, force=True)
+    run.beat(step, contract.Phase.SAVING, force=True)
     dist.barrier()  # every rank's files are written before rank 0 moves them
     if src is not None and run.rank == 0:
         tmp = contract.checkpoint_tmp(run.task_dir, step)
@@ -81,9 +79,9 @@ def commit_saved(run, step: int, src: Path | None, model, meta: dict) -> Path:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(src), str(tmp))  # a rename on one filesystem
     meta = {**meta, "fingerprint": fingerprint.compute(model), "launch": run.ctx.launch}
-    info = run._ckpt.commit(step, meta)
+    info = run.commit_with_metadata(step, meta)
     total = time.perf_counter() - t0
-    run._hb.event("checkpoint.committed", f"step {step} saved by {meta.get('state_format', 'the script')} and committed "
-                  f"in {total:.2f} s", step=step, folder=info["folder"], total_s=total)
+    run.event("checkpoint.committed", f"step {step} saved by {meta.get('state_format', 'the script')} and committed "
+              f"in {total:.2f} s", step=step, folder=info["folder"], total_s=total)
     folder = info["folder"] or contract.checkpoints_dir(run.task_dir) / contract.checkpoint_name(step)
     return Path(folder)

@@ -138,7 +138,7 @@ class OrchestrateCallback(TrainerCallback):
         if self.resumed_from is not None:  # the Trainer has loaded it by now
             common.check_resumed(run, self.resumed_from, model)
         self._step_started = time.time()
-        run._hb.beat(state.global_step, contract.Phase.TRAIN, force=True)
+        run.beat(state.global_step, contract.Phase.TRAIN, force=True)
 
     # ------------------------------------------------------------ every step
 
@@ -147,32 +147,32 @@ class OrchestrateCallback(TrainerCallback):
             return
         run = self.run
         now = time.time()
-        run._hb.step_time_s = now - self._step_started
+        run.set_step_time(now - self._step_started)
         self._step_started = now
         run.report(state.global_step)
         if run.should_stop() and state.global_step < state.max_steps:
             self.stopping = True
             control.should_save = True
             control.should_training_stop = True
-            run._hb.event("checkpoint.signal", f"checkpoint signal: saving step {state.global_step}, then leaving to be "
-                          "requeued", step=state.global_step)
+            run.event("checkpoint.signal", f"checkpoint signal: saving step {state.global_step}, then leaving to be "
+                      "requeued", step=state.global_step)
         if control.should_save:
-            run._hb.beat(state.global_step, contract.Phase.SAVING, force=True)
+            run.beat(state.global_step, contract.Phase.SAVING, force=True)
 
     def on_prediction_step(self, args, state, control, **kwargs):
         if self.active:  # a long evaluation is not a hang (written at most once per heartbeat interval)
-            self.run._hb.beat(state.global_step, contract.Phase.TRAIN)
+            self.run.beat(state.global_step, contract.Phase.TRAIN)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self.active or not logs:
             return
         step = state.global_step
-        hb = self.run._hb
+        run = self.run
         if "loss" in logs:
             self._losses[step], self._lrs[step] = float(logs["loss"]), _number(logs.get("learning_rate"))
-            hb.metric(step, self._losses[step], self._lrs[step], None)
+            run.metric(step, self._losses[step], self._lrs[step], None)
         if "eval_loss" in logs:  # the same row as the step's loss: the ledger keeps one row per step
-            hb.metric(step, self._losses.get(step), self._lrs.get(step), None, eval_loss=float(logs["eval_loss"]))
+            run.metric(step, self._losses.get(step), self._lrs.get(step), None, eval_loss=float(logs["eval_loss"]))
 
     def on_save(self, args, state, control, model=None, **kwargs):
         if not self.active:
