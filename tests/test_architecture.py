@@ -1,6 +1,8 @@
 """The layout's promises: the contract is stdlib only and the one thing train_entry
-imports from orchestrator; no module-level import cycles; read commands never import
-torch (so they start fast on a login node)."""
+imports from orchestrator; packages import only packages below them in ``LAYERS``, in
+function-level imports too; no module uses another module's private names; no
+module-level import cycles; read commands never import torch (so they start fast on a
+login node)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,200 @@ def _modules(package: str) -> dict[str, pathlib.Path]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = f
     return out
+
+
+# The packages from the ground floor up (the same list, with what each holds, is
+# docs/architecture-order.md). A package may import only itself and the packages before it
+# here: at module level, inside a function or under TYPE_CHECKING alike (a lazy import is for
+# start-up time, never a way around the order). Two packages importing each other is then
+# always one import upward. A top-level module (errors.py) is a package of its own here;
+# train_entry is one: the compute side, whose own order is not yet stated.
+LAYERS = [
+    "orchestrator",  # the root package itself: its __init__ holds only the version
+    "orchestrator.contract",  # stdlib only: the ground floor of both sides
+    "train_entry",  # compute side; the login side runs its code in functions (ckpt consolidate, plan, submitit's entry)
+    "orchestrator.errors",
+    "orchestrator.states",
+    "orchestrator.backoff",
+    "orchestrator.spec",
+    "orchestrator.ledger",
+    "orchestrator.checkpoints",
+    "orchestrator.scheduler",
+    "orchestrator.submit",
+    "orchestrator.runfolder",
+    "orchestrator.report",
+    "orchestrator.notify",
+    "orchestrator.supervise",
+    "orchestrator.cli",
+    "orchestrator.__main__",
+]
+# (importer, imported): why this import may point upward. Keep it short; none today.
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+FIRST_PARTY = ("orchestrator", "train_entry")
+
+
+def _all_modules() -> dict[str, pathlib.Path]:
+    return {**_modules("orchestrator"), **_modules("train_entry")}
+
+
+def _package_of(module: str) -> str:
+    """The package of LAYERS a module belongs to: train_entry as a whole, else the root
+    package or the child of orchestrator it is in."""
+    parts = module.split(".")
+    return "train_entry" if parts[0] == "train_entry" else ".".join(parts[:2])
+
+
+def _under_function_or_type_checking(tree: ast.AST) -> set[int]:
+    """ids of the import nodes that do not run when their module is imported: inside a
+    function, or under ``if TYPE_CHECKING:``."""
+    out: set[int] = set()
+
+    def walk(node: ast.AST, deferred: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            d = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(node, ast.If) and child in node.body and "TYPE_CHECKING" in ast.unparse(node.test):
+                d = True
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and d:
+                out.add(id(child))
+            walk(child, d)
+
+    walk(tree, False)
+    return out
+
+
+def _from_base(node: ast.ImportFrom, module: str, path: pathlib.Path) -> str:
+    """The absolute module a ``from ... import`` names (a relative one resolved)."""
+    if not node.level:
+        return node.module or ""
+    pkg = (module if path.name == "__init__.py" else module.rpartition(".")[0]).split(".")
+    return ".".join(pkg[: len(pkg) - (node.level - 1)] + ([node.module] if node.module else []))
+
+
+def _first_party_imports(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[int, str, bool]]:
+    """(line, imported module, runs at import time) for each first-party import of a module;
+    ``from pkg import mod`` names ``pkg.mod``, relative imports are resolved."""
+    tree = ast.parse(path.read_text())
+    deferred = _under_function_or_type_checking(tree)
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            base = _from_base(n, module, path)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in n.names]
+        else:
+            continue
+        out += [(n.lineno, name, id(n) not in deferred) for name in dict.fromkeys(names) if name.split(".")[0] in FIRST_PARTY]
+    return out
+
+
+def test_every_package_has_a_place_in_the_order():
+    packages = {_package_of(m) for m in _all_modules()}
+    missing = sorted(packages - set(LAYERS))
+    assert not missing, f"add each package to LAYERS (and docs/architecture-order.md), above what it imports: {missing}"
+    assert not set(LAYERS) - packages, f"LAYERS names packages that are gone: {sorted(set(LAYERS) - packages)}"
+    assert len(set(LAYERS)) == len(LAYERS)
+
+
+def test_packages_import_only_packages_below_them():
+    mods = _all_modules()
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    upward, used = [], set()
+    for module, path in sorted(mods.items()):
+        mine = _package_of(module)
+        for line, imported, _ in _first_party_imports(module, path, set(mods)):
+            theirs = _package_of(imported)
+            if rank.get(theirs, -1) <= rank.get(mine, -1):
+                continue
+            if (mine, theirs) in EXCEPTIONS:
+                used.add((mine, theirs))
+                continue
+            upward.append(f"{path.relative_to(ROOT)}:{line} imports {imported}: {mine} may import only packages "
+                          f"below it in LAYERS, and {theirs} is above it")
+    assert not upward, "imports upward (move the shared piece below both, or name an exception with its reason):\n" + "\n".join(upward)
+    assert used == set(EXCEPTIONS), f"exceptions no import needs any more: {sorted(set(EXCEPTIONS) - used)}"
+
+
+def test_the_login_side_runs_compute_code_only_inside_functions():
+    """Importing an orchestrator module loads none of train_entry (nor torch with it): a
+    command that consolidates or plans memory imports it where it needs it."""
+    mods = _all_modules()
+    eager = [f"{path.relative_to(ROOT)}:{line} imports {imported} at module level"
+             for module, path in sorted(_modules("orchestrator").items())
+             for line, imported, at_import in _first_party_imports(module, path, set(mods))
+             if at_import and imported.split(".")[0] == "train_entry"]
+    assert not eager, eager
+
+
+# ---------------------------------------------------------------- private names
+#
+# A name that starts with one underscore (dunders aside) belongs to the module that defines
+# it. Checked over orchestrator/, train_entry/ and bench/ (tests may test private helpers):
+#   1. ``from m import _x`` where m is one of those modules;
+#   2. ``m._x`` where m is bound by an import to one of those modules;
+#   3. ``obj._x`` (obj anything but self or cls) where _x is a private attribute or method of a
+#      class of another of those modules (assigned as self._x, or defined in its body) and of
+#      no class of this module: statically, by name, so what it cannot see (getattr, a private
+#      name that classes of both modules define) it does not flag. Other libraries' private
+#      names are theirs to keep stable, not this test's.
+
+PRIVATE_SCOPE = ("orchestrator", "train_entry", "bench")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _class_privates(tree: ast.AST) -> set[str]:
+    """Private attribute and method names the classes of a module define."""
+    out = set()
+    for cls in (c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)):
+        for n in cls.body:  # methods and class attributes
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                out |= {t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        out |= {n.attr for n in ast.walk(cls)  # instance attributes: self._x = ...
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")}
+    return {n for n in out if _private(n)}
+
+
+def private_reach_ins(roots: tuple[str, ...] = PRIVATE_SCOPE) -> list[str]:
+    mods = {m: p for r in roots for m, p in _modules(r).items()}
+    trees = {m: ast.parse(p.read_text()) for m, p in mods.items()}
+    owners: dict[str, set[str]] = {}
+    for m, tree in trees.items():
+        for name in _class_privates(tree):
+            owners.setdefault(name, set()).add(m)
+    found: list[tuple[str, int, str]] = []
+    for m, tree in trees.items():
+        where = f"{mods[m].relative_to(ROOT)}"
+        aliases = {}  # local name -> the module of ours it is bound to
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom):
+                base = _from_base(n, m, mods[m])
+                for a in n.names:
+                    if base in mods and _private(a.name):
+                        found.append((where, n.lineno, f"imports {a.name} from {base}"))
+                    if f"{base}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+            elif isinstance(n, ast.Import):
+                aliases.update({a.asname: a.name for a in n.names if a.asname and a.name in mods})
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and _private(n.attr)):
+                continue
+            target = n.value.id if isinstance(n.value, ast.Name) else None
+            owner = aliases.get(target) or (ast.unparse(n.value) if ast.unparse(n.value) in mods else None)  # m._x, pkg.m._x
+            if owner is not None and owner != m:
+                found.append((where, n.lineno, f"uses {ast.unparse(n.value)}.{n.attr}, private to {owner}"))
+            elif target not in ("self", "cls") and (theirs := owners.get(n.attr, set())) and m not in theirs:
+                found.append((where, n.lineno, f"uses {ast.unparse(n.value)}.{n.attr}, private to a class of {', '.join(sorted(theirs))}"))
+    return [f"{where}:{line} {what}" for where, line, what in sorted(found)]
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = private_reach_ins()
+    assert not found, "private names used across modules (give the owner a public name or method):\n" + "\n".join(found)
 
 
 def test_contract_is_stdlib_only():
