@@ -24,7 +24,10 @@ MASTER_PORT). Inside it::
         if stop:
             run.exit_for_requeue()      # exits with the requeue code; the run resumes later
 
-Everything is collective where it says so: call it on every rank.
+Everything is collective where it says so: call it on every rank. A library that runs
+its own loop and saves by itself (the Trainer callback and Accelerate helper in
+``train_entry.integrations``) uses the finer calls instead: ``beat``, ``set_step_time``,
+``metric``, ``event``, ``find_resume`` and ``commit_with_metadata``.
 """
 
 from __future__ import annotations
