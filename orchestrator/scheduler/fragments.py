@@ -16,7 +16,7 @@ import shlex
 
 from orchestrator.errors import UserError
 from orchestrator.spec import slurmtext
-from orchestrator.spec.templates import COMMON, fragment_names, templates_dir
+from orchestrator.spec.templates import fragment_names, templates_dir
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 _HEREDOC = re.compile(r"(?<!<)<<-?(?!<)\s*(['\"]?)(\w+)\1")

@@ -27,6 +27,7 @@ from orchestrator.errors import UserError
 from orchestrator.scheduler import fragments
 from orchestrator.scheduler.request import Plan
 from orchestrator.spec import slurmtext
+from orchestrator.spec.templates import COMMON
 from orchestrator.spec.units import parse_memory_mb
 
 
@@ -130,7 +131,7 @@ def python_command(plan: Plan, python: str = sys.executable) -> str:
 def setup_lines(plan: Plan) -> list[str]:
     """The batch script's setup: common.sh, the named fragments, then resources.setup."""
     values = {"name": plan.name, "experiment_id": plan.experiment_id, "run_dir": str(plan.run_dir)}  # render quotes them
-    lines = fragments.render(fragments.COMMON, values)
+    lines = fragments.render(COMMON, values)
     for name in plan.resources.setup_templates:
         lines += fragments.render(name, values)
     if plan.resources.setup:
