@@ -74,7 +74,7 @@ def build(session: RankSession, device):
     """Checkpointer, workload, engine and the step to start from (the newest good checkpoint's)."""
     import torch
 
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
     from train_entry.engines import build_engine
     from train_entry.models import build_workload
 
@@ -101,7 +101,7 @@ def build(session: RankSession, device):
         resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0
         step = ckpt.committed_step = resume.step
         if reinit := os.environ.get(contract.envvars.FAULT_REINIT):  # tests: a loader that re-creates a layer
-            from train_entry.resume_check import inject_reinit
+            from train_entry.checkpoint.resume_check import inject_reinit
 
             inject_reinit(engine.model, reinit)
     resume.report(session.hb)
@@ -112,7 +112,7 @@ def settle(engine, workload, session: RankSession, device) -> None:
     """Collective: ``engine.settle`` on the first micro-batch, leaving the model's buffers and
     every random stream as they were (the load restores only what the checkpoint holds)."""
     from train_entry.data import Sampler
-    from train_entry.resume_check import untouched
+    from train_entry.checkpoint.resume_check import untouched
 
     cfg, ctx = session.cfg, session.ctx
     sampler = Sampler(len(workload.dataset), cfg.seed, cfg.batch.micro_batch_size, 1, ctx.world_size, ctx.rank)
@@ -140,7 +140,7 @@ class Loop:
         self.last_loss: float | None = None
         self.step_losses: list = []  # the micro-batch losses of the last step (a save records their mean)
         if resume.folder is not None:  # before the first step: the loaded state is the one committed
-            from train_entry.resume_check import verify
+            from train_entry.checkpoint.resume_check import verify
 
             verify(resume.folder, self.engine, self.workload.dataset, self.workload.loss, self.hb, self.cfg)
         self.window_t0, self.window_steps = time.perf_counter(), 0
@@ -224,8 +224,8 @@ class Loop:
             self.window_t0, self.window_steps, self.eval_s = now, 0, 0.0
 
     def save(self, why: str, final: bool = False) -> None:
-        from train_entry import resume_check
-        from train_entry.save_progress import SaveProgress
+        from train_entry.checkpoint import resume_check
+        from train_entry.checkpoint.progress import SaveProgress
 
         folder = contract.checkpoints_dir(self.session.task_dir)
         with SaveProgress(self.hb, self.step, folder, self.cfg.heartbeat.interval_s) as progress:

@@ -31,9 +31,9 @@ import torch
 from torch import distributed as dist
 
 from orchestrator import contract
-from train_entry import fingerprint, safeload
+from train_entry.checkpoint import fingerprint, safeload
 from train_entry.engines.base import autocast, forward
-from train_entry.fingerprint import ResumeMismatch
+from train_entry.checkpoint.fingerprint import ResumeMismatch
 from train_entry.paramnames import clean
 
 # relative difference of the probe loss allowed on a reshard; measured 0 (bitwise) for DDP,

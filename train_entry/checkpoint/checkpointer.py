@@ -34,7 +34,7 @@ import torch
 from torch import distributed as dist
 
 from orchestrator import contract
-from train_entry import direct_io, safeload
+from train_entry.checkpoint import direct_io, safeload
 
 RNG_DIR = "rng"
 
@@ -184,7 +184,7 @@ class _CopyFingerprint:
         self.thread.start()
 
     def _run(self) -> None:
-        from train_entry import fingerprint
+        from train_entry.checkpoint import fingerprint
 
         try:
             staged = self.copy.result() if self.copy is not None else {}
@@ -197,7 +197,7 @@ class _CopyFingerprint:
         return not self.thread.is_alive()
 
     def result(self) -> dict:
-        from train_entry import fingerprint
+        from train_entry.checkpoint import fingerprint
 
         self.thread.join()
         sums = self.box[0]
@@ -234,7 +234,7 @@ class Checkpointer:
         self.pending = None  # an async save: (step, tmp, future, blocked_s, started)
         self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
         self.extras: dict[str, dict] = {}  # JSON files rank 0 adds to every checkpoint (hf.json)
-        self.on_progress: Callable[[], None] | None = None  # a stage of a save passed (save_progress)
+        self.on_progress: Callable[[], None] | None = None  # a stage of a save passed (progress)
         self.remover: threading.Thread | None = None  # deletes the checkpoints rotation discarded
 
     # ------------------------------------------------------------ save
@@ -281,7 +281,7 @@ class Checkpointer:
         # under its name (DDP's shares)
         names = None
         if future is not None and getattr(self.engine, "fingerprint_from_copy", False):
-            from train_entry import fingerprint
+            from train_entry.checkpoint import fingerprint
 
             names = fingerprint.trainable(self.engine.model)
         if names is not None and {n for n, _ in names} <= getattr(self.engine, "saved_model_keys", set()):
@@ -305,7 +305,7 @@ class Checkpointer:
     @staticmethod
     def fingerprint_of(model) -> dict:
         """Collective: the manifest's ``fingerprint`` of ``model`` and the seconds it took."""
-        from train_entry import fingerprint
+        from train_entry.checkpoint import fingerprint
 
         t0 = time.perf_counter()
         fp = fingerprint.compute(model)
