@@ -128,7 +128,7 @@ def test_a_file_not_written_in_order_is_hashed_from_disk(tmp_path):
 
 
 def test_a_record_that_does_not_match_the_file_is_not_trusted(tmp_path):
-    from train_entry.checkpoint.checkpointer import _hashed_as_written
+    from train_entry.checkpoint.commit import hashed_as_written
 
     (tmp_path / "a").write_bytes(b"12345")
     (tmp_path / "b").write_bytes(b"12345")
@@ -136,7 +136,7 @@ def test_a_record_that_does_not_match_the_file_is_not_trusted(tmp_path):
     right = {"size": 5, "sha256": "x"}
     shares = [{"a": right, "b": {"size": 4, "sha256": "y"}, "gone": right}, {"c": {"size": 1, "sha256": "z"}},
               {"c": {"size": 1, "sha256": "z"}}]  # c claimed by two ranks: read back
-    assert _hashed_as_written(tmp_path, ["a", "b", "c"], shares) == {"a": right}
+    assert hashed_as_written(tmp_path, ["a", "b", "c"], shares) == {"a": right}
 
 
 def test_an_asynchronous_save_holds_the_state_of_its_step_though_the_copy_is_slow(tmp_path, monkeypatch, world_of_one):

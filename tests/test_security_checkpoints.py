@@ -92,7 +92,8 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from torch import distributed as dist
 from train_entry.checkpoint import safeload
-from train_entry.checkpoint.checkpointer import Checkpointer, load_rng_state
+from train_entry.checkpoint.checkpointer import Checkpointer
+from train_entry.checkpoint.rng import load_rng_state
 from train_entry.engines.base import DCPState, Engine
 from train_entry.engines.deepspeed import DeepSpeedEngine
 

@@ -37,7 +37,8 @@ from typing import Any
 from orchestrator import contract
 from orchestrator.contract import ExitCode
 
-from train_entry.checkpoint.checkpointer import Checkpointer, Resume
+from train_entry.checkpoint.checkpointer import Checkpointer
+from train_entry.checkpoint.resume import Resume
 from orchestrator.contract import thaw
 from train_entry.session import RankSession
 
