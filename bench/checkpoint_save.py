@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, po
     import torch
     from torch import distributed as dist
 
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
     from train_entry.engines.ddp import DDPEngine
 
     dist.init_process_group("gloo")

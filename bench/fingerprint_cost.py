@@ -59,7 +59,7 @@ def main() -> int:
     import torch
     from torch import distributed as dist
 
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
     from train_entry.engines.ddp import DDPEngine
 
     dist.init_process_group("gloo")

@@ -15,7 +15,7 @@ import torch
 
 from orchestrator import contract
 from tests.conftest import free_port
-from train_entry import checkpoint_writer, direct_io
+from train_entry.checkpoint import direct_io, writer
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def _disk_reads(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 def test_the_shards_are_hashed_as_written_and_the_manifest_matches_the_disk(tmp_path, monkeypatch, world_of_one, direct):
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
 
     cfg = _cfg(tmp_path, direct_io=direct)
     engine = _engine(cfg)
@@ -99,7 +99,7 @@ def test_the_shards_are_hashed_as_written_and_the_manifest_matches_the_disk(tmp_
 
 
 def test_where_the_filesystem_refuses_direct_io_the_page_cache_is_used(tmp_path, monkeypatch, world_of_one):
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
 
     real_open = os.open
 
@@ -115,8 +115,8 @@ def test_where_the_filesystem_refuses_direct_io_the_page_cache_is_used(tmp_path,
 
 
 def test_a_file_not_written_in_order_is_hashed_from_disk(tmp_path):
-    written = checkpoint_writer.Written()
-    fs = checkpoint_writer._RecordingFileSystem(written, direct=False)
+    written = writer.Written()
+    fs = writer._RecordingFileSystem(written, direct=False)
     with fs.create_stream(tmp_path / "plain", "wb") as s:
         s.write(b"a" * 1000)
     with fs.create_stream(tmp_path / "sought", "wb") as s:
@@ -128,7 +128,7 @@ def test_a_file_not_written_in_order_is_hashed_from_disk(tmp_path):
 
 
 def test_a_record_that_does_not_match_the_file_is_not_trusted(tmp_path):
-    from train_entry.checkpoint import _hashed_as_written
+    from train_entry.checkpoint.commit import hashed_as_written
 
     (tmp_path / "a").write_bytes(b"12345")
     (tmp_path / "b").write_bytes(b"12345")
@@ -136,7 +136,7 @@ def test_a_record_that_does_not_match_the_file_is_not_trusted(tmp_path):
     right = {"size": 5, "sha256": "x"}
     shares = [{"a": right, "b": {"size": 4, "sha256": "y"}, "gone": right}, {"c": {"size": 1, "sha256": "z"}},
               {"c": {"size": 1, "sha256": "z"}}]  # c claimed by two ranks: read back
-    assert _hashed_as_written(tmp_path, ["a", "b", "c"], shares) == {"a": right}
+    assert hashed_as_written(tmp_path, ["a", "b", "c"], shares) == {"a": right}
 
 
 def test_an_asynchronous_save_holds_the_state_of_its_step_though_the_copy_is_slow(tmp_path, monkeypatch, world_of_one):
@@ -145,7 +145,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_though_the_copy_is_slo
     saved, not the next one's."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
     from train_entry.engines import build_engine
 
     slow = DefaultStager.stage
@@ -176,7 +176,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_though_the_copy_is_slo
 
 
 def test_rotation_deletes_on_a_thread_and_leaves_no_trash(tmp_path, world_of_one):
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
 
     cfg = _cfg(tmp_path, keep_last=2)
     engine = _engine(cfg)
@@ -198,8 +198,8 @@ def test_only_a_discarded_checkpoint_is_removed_as_trash(tmp_path):
 
 def test_a_file_renamed_while_it_is_flushed_is_flushed_under_its_new_name(tmp_path, monkeypatch):
     """A synchronous save's flush runs beside DCP's rename of .metadata.tmp: never an error."""
-    written = checkpoint_writer.Written()
-    fs = checkpoint_writer._RecordingFileSystem(written, direct=False)
+    written = writer.Written()
+    fs = writer._RecordingFileSystem(written, direct=False)
     with fs.create_stream(tmp_path / ".metadata.tmp", "wb") as s:
         s.write(b"metadata")
     real_open = os.open
@@ -209,7 +209,7 @@ def test_a_file_renamed_while_it_is_flushed_is_flushed_under_its_new_name(tmp_pa
             fs.rename(tmp_path / ".metadata.tmp", tmp_path / ".metadata")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(checkpoint_writer.os, "open", open_after_the_rename)
+    monkeypatch.setattr(writer.os, "open", open_after_the_rename)
     written.fsync()
     monkeypatch.undo()
     assert written.result(tmp_path) == {".metadata": {"size": 8, "sha256": hashlib.sha256(b"metadata").hexdigest()}}

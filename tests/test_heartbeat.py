@@ -34,7 +34,7 @@ def test_a_save_beats_only_while_it_advances_and_a_stalled_one_gets_the_training
 
     from orchestrator.contract.taskconfig import Heartbeat as HbConfig
     from orchestrator.supervise.recovery import find_hang
-    from train_entry.save_progress import SaveProgress
+    from train_entry.checkpoint.progress import SaveProgress
 
     class Beats:
         def __init__(self):

@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, cli, free_port, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
-from train_entry import fingerprint
+from train_entry.checkpoint import fingerprint
 
 SPEC = """\
 name: {name}
@@ -214,7 +214,7 @@ def test_the_probe_is_the_next_micro_batch_loss_and_changes_nothing(tmp_path, mo
     are the same as in a run that never probed."""
     import torch.distributed as dist
 
-    from train_entry import resume_check
+    from train_entry.checkpoint import resume_check
     from train_entry.data import Sampler
     from train_entry.engines import build_engine
     from train_entry.models import GPT, TokenChunks, lm_loss, markov_corpus

@@ -25,7 +25,7 @@ import torch
 
 from conftest import REPO, cli
 from orchestrator import contract
-from train_entry import safeload
+from train_entry.checkpoint import safeload
 
 HOLDS_CODE = "this checkpoint holds code; it was not loaded"
 
@@ -91,8 +91,9 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch
 from torch import distributed as dist
-from train_entry import safeload
-from train_entry.checkpoint import Checkpointer, load_rng_state
+from train_entry.checkpoint import safeload
+from train_entry.checkpoint.checkpointer import Checkpointer
+from train_entry.checkpoint.rng import load_rng_state
 from train_entry.engines.base import DCPState, Engine
 from train_entry.engines.deepspeed import DeepSpeedEngine
 

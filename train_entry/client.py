@@ -40,7 +40,8 @@ from typing import Any, Callable
 from orchestrator import contract
 from orchestrator.contract import ExitCode
 
-from train_entry.checkpoint import Checkpointer, Resume
+from train_entry.checkpoint.checkpointer import Checkpointer
+from train_entry.checkpoint.resume import Resume
 from orchestrator.contract import thaw
 from train_entry.session import RankSession
 
@@ -154,7 +155,7 @@ class Run:
         which ends the run as a user error rather than training on from the wrong state."""
         if self._resumed is None:
             return
-        from train_entry.resume_check import verify_fingerprint
+        from train_entry.checkpoint.resume_check import verify_fingerprint
 
         verify_fingerprint(self._resumed.folder, model, self._hb)
 

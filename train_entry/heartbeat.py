@@ -3,7 +3,7 @@
 Heartbeats are written from the training thread only, at step boundaries: a rank
 stuck in a collective or stopped by a signal stops beating, which is what hang
 detection needs. A thread beating on its own would hide exactly those hangs; the one
-exception, a save's progress thread (``save_progress``), beats only when the save advanced.
+exception, a save's progress thread (``checkpoint.progress``), beats only when the save advanced.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Heartbeat:
         self.step_time_s: float | None = None
         self.step = 0
         self.phase: str | None = None
-        self._lock = threading.Lock()  # a save's progress thread beats too (save_progress)
+        self._lock = threading.Lock()  # a save's progress thread beats too (checkpoint.progress)
 
     def beat(self, step: int, phase: str, force: bool = False) -> None:
         with self._lock:

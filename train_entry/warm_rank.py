@@ -21,7 +21,7 @@ def warm_modules(model_kind: str, engine_kind: str) -> list[str]:
     """What the worker imports before its first step, less what depends on the device
     (DeepSpeed picks its op builds from it, so it is imported by the worker itself)."""
     mods = ["torch", "torch.distributed", "torch.distributed.checkpoint", "orchestrator.contract", "train_entry.errors", "train_entry.env",
-            "train_entry.session", "train_entry.checkpoint", "train_entry.engines", "train_entry.models"]  # the worker's own: run fresh
+            "train_entry.session", "train_entry.checkpoint.checkpointer", "train_entry.engines", "train_entry.models"]  # the worker's own: run fresh
     if engine_kind in ("ddp", "fsdp"):
         mods.append(f"train_entry.engines.{engine_kind}")
     if model_kind == "hf":

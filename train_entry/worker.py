@@ -8,7 +8,6 @@ whose fault it was (``errors``) where the login side finds them.
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 import time
 import traceback
@@ -18,7 +17,8 @@ STARTED = time.time()  # the ledger's resume event tells start-up and load time 
 from orchestrator import contract  # noqa: E402
 from orchestrator.contract import ExitCode  # noqa: E402
 
-from train_entry import errors  # noqa: E402
+from train_entry import errors, faults  # noqa: E402
+from train_entry.checkpoint.policy import Due, SavePolicy  # noqa: E402
 from train_entry.env import RankContext  # noqa: E402
 from train_entry.session import RankSession  # noqa: E402
 
@@ -74,7 +74,7 @@ def build(session: RankSession, device):
     """Checkpointer, workload, engine and the step to start from (the newest good checkpoint's)."""
     import torch
 
-    from train_entry.checkpoint import Checkpointer
+    from train_entry.checkpoint.checkpointer import Checkpointer
     from train_entry.engines import build_engine
     from train_entry.models import build_workload
 
@@ -100,10 +100,7 @@ def build(session: RankSession, device):
         ckpt.load(resume)
         resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0
         step = ckpt.committed_step = resume.step
-        if reinit := os.environ.get(contract.envvars.FAULT_REINIT):  # tests: a loader that re-creates a layer
-            from train_entry.resume_check import inject_reinit
-
-            inject_reinit(engine.model, reinit)
+        faults.reinit_after_load(engine.model)  # tests: a loader that re-creates a layer
     resume.report(session.hb)
     return ckpt, workload, engine, step, resume
 
@@ -112,7 +109,7 @@ def settle(engine, workload, session: RankSession, device) -> None:
     """Collective: ``engine.settle`` on the first micro-batch, leaving the model's buffers and
     every random stream as they were (the load restores only what the checkpoint holds)."""
     from train_entry.data import Sampler
-    from train_entry.resume_check import untouched
+    from train_entry.checkpoint.resume_check import untouched
 
     cfg, ctx = session.cfg, session.ctx
     sampler = Sampler(len(workload.dataset), cfg.seed, cfg.batch.micro_batch_size, 1, ctx.world_size, ctx.rank)
@@ -137,10 +134,11 @@ class Loop:
         self.sampler = Sampler(len(self.workload.dataset), self.cfg.seed, batch.micro_batch_size, self.accum, ctx.world_size, ctx.rank)
         self.items_per_step = batch.micro_batch_size * self.accum * ctx.world_size * self.workload.tokens_per_sample
         self.agree = Agreement(dist, torch)
+        self.policy = SavePolicy.of(self.cfg.checkpoint)  # when a save is due
         self.last_loss: float | None = None
         self.step_losses: list = []  # the micro-batch losses of the last step (a save records their mean)
         if resume.folder is not None:  # before the first step: the loaded state is the one committed
-            from train_entry.resume_check import verify
+            from train_entry.checkpoint.resume_check import verify
 
             verify(resume.folder, self.engine, self.workload.dataset, self.workload.loss, self.hb, self.cfg)
         self.window_t0, self.window_steps = time.perf_counter(), 0
@@ -160,17 +158,18 @@ class Loop:
             signal, timed = self.agree.drain()
             self.log(lr, losses, self.evaluate())
             self.saved(ckpt.poll_pending(), "asynchronous")
-            if signal and self.step < total:  # acted on at the same step on every rank
+            due = self.policy.due(self.step, total, signal, timed)  # the same at the same step on every rank
+            if due is Due.SIGNAL:
                 self.save("on the checkpoint signal", final=True)
                 self.session.leave_for_requeue(self.step)
                 raise StopRequested(self.step)
-            if ckpt.due_by_step(self.step, total) or (timed and self.step < total):
+            if due is Due.SCHEDULED:
                 self.save("scheduled")
             if self.step < total:  # posted after the save, so a timed save is not asked for twice
-                self.agree.post(self.session.signal.raised, ckpt.due_by_time())
+                self.agree.post(self.session.signal.raised, self.policy.by_time(ckpt.last_save_time, time.time()))
             self.hb.beat(self.step, contract.Phase.TRAIN)
         self.saved(ckpt.finish_pending(), "asynchronous")
-        if self.cfg.checkpoint.consolidate and ckpt.committed_step != self.step:
+        if self.policy.final_save(self.step, ckpt.committed_step):
             self.save("the final step, for consolidation", final=True)  # what the job's consolidation step writes out
         ckpt.close()
         self.session.finish(self.step)
@@ -224,8 +223,8 @@ class Loop:
             self.window_t0, self.window_steps, self.eval_s = now, 0, 0.0
 
     def save(self, why: str, final: bool = False) -> None:
-        from train_entry import resume_check
-        from train_entry.save_progress import SaveProgress
+        from train_entry.checkpoint import resume_check
+        from train_entry.checkpoint.progress import SaveProgress
 
         folder = contract.checkpoints_dir(self.session.task_dir)
         with SaveProgress(self.hb, self.step, folder, self.cfg.heartbeat.interval_s) as progress:

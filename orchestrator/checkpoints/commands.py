@@ -6,7 +6,7 @@ checkpoint is, and when it counts, is the contract's (``contract.checkpoint``): 
 ``step-N`` folder with a manifest, written last. A checkpoint is untrusted input: its
 manifest is checked entry by entry and nothing outside its folder is read (the
 contract's checks); ``verify`` also loads every file our loaders unpickle with their
-allow-lists (``train_entry.safeload``), so one that holds code is bad, not good; and
+allow-lists (``train_entry.checkpoint.safeload``), so one that holds code is bad, not good; and
 nothing is deleted through a symbolic link (``contract.deletion_problem``).
 """
 
@@ -117,7 +117,7 @@ def verify(folder: Path) -> str | None:
     if problem:
         return f"{folder}: {problem}"
     # imported here: only this check reads pickles (torch); list and prune never do
-    from train_entry import safeload
+    from train_entry.checkpoint import safeload
 
     problem = safeload.first_problem(folder, safeload.unpickled_files(contract.read_manifest(folder)))
     return problem and f"{folder}: {problem}"

@@ -35,18 +35,12 @@ from orchestrator.scheduler import JobRef, get_scheduler, site_limits
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.contract import records
 from orchestrator.runfolder import badrecords
-from orchestrator.supervise import recovery, refresh
+from orchestrator.supervise import faults, recovery, refresh
 from orchestrator.runfolder.launches import read_generation_ends, read_launch, read_launches
 from orchestrator.supervise.recovery import RecoveryKind
 from orchestrator.states import ActionState, AttemptState, TaskState
 
 log = logging.getLogger(__name__)
-
-
-def _fault_point(name: str) -> None:
-    """Tests: die at a named point, as a killed watcher would."""
-    if os.environ.get(envvars.FAULT_INJECT) == name:
-        os._exit(70)
 
 
 POLL_MAX_S = 60.0  # the longest the watcher goes without asking SLURM while every job runs or waits quietly
@@ -380,9 +374,9 @@ class Watcher:
         with self.ledger.tx():
             for position, idx in enumerate(batch):
                 self.ledger.plan_action(exp["id"], idx, 0, RecoveryKind.SUBMIT.value, {"tag": tag, "position": position, "after": after}, cause, topic="queue")
-        _fault_point("after-queue-plan")
+        faults.die_at("after-queue-plan")
         jobs = sched.submit_tasks(run_dir, batch, max_parallel, after, tag)
-        _fault_point("after-queue-submit")
+        faults.die_at("after-queue-submit")
         self._record_submission(exp, jobs, f"submitted when room freed in the queue as job {{job}} ({tag})")
 
     def _finish_submissions(self, exp: dict, planned: list[dict]) -> None:
@@ -506,7 +500,7 @@ class Watcher:
         if kind in (RecoveryKind.REQUEUE, RecoveryKind.REQUEUE_SAVED) and not sched.requeue(attempt["job_id"]):
             kind = RecoveryKind.RESUBMIT  # SLURM no longer holds the job's record
             self.ledger.event(exp["id"], "recovery.resubmit", f"SLURM no longer knows job {attempt['job_id']}: submitting the task again", idx=idx, attempt=attempt["number"])
-        _fault_point(f"after-{kind}")
+        faults.die_at(f"after-{kind}")
         done: dict = {}
         if kind in (RecoveryKind.REQUEUE, RecoveryKind.RELEASE):
             sched.release(attempt["job_id"], with_spec_exclude(exp, detail["exclude"]), detail["delay_s"])

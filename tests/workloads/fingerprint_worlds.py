@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator import contract
-from train_entry import fingerprint
+from train_entry.checkpoint import fingerprint
 from train_entry.engines import build_engine
 from train_entry.models import GPT
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from orchestrator import contract
 
-from train_entry.checkpoint import Checkpointer
+from train_entry.checkpoint.checkpointer import Checkpointer
 from train_entry.engines import build_engine
 from train_entry.models import GPT
 

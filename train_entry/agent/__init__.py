@@ -10,7 +10,8 @@ allocation without going back to the queue.
 
 ``node``: one launch, its start and node records; ``generation``: one set of ranks,
 stopped and restarted in place together with the other nodes; ``requeue``: back into
-SLURM's queue after a save on the checkpoint signal.
+SLURM's queue after a save on the checkpoint signal; ``consolidation``: the job's last
+step, the final checkpoint's full weights, under a timeout.
 """
 
 from train_entry.agent.generation import launch_exit_code, worker_env

@@ -42,9 +42,9 @@ def node_main(task_dir: str) -> int:
         return ExitCode.INFRA_ERROR
     code, codes, first_failed = result
     if code == ExitCode.OK and ctx.node_rank == 0 and cfg.checkpoint.consolidate:
-        from train_entry import weights_step
+        from train_entry.agent import consolidation
 
-        code = weights_step.run(cfg, tdir, launch, generation, flags.signals)
+        code = consolidation.run(cfg, tdir, launch, generation, flags.signals)
     contract.atomic_write_json(
         contract.node_record_path(ldir, ctx.node_rank),
         {

@@ -89,7 +89,7 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     if problem:
         raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
     manifest = contract.read_manifest(folder)
-    from train_entry import safeload  # torch
+    from train_entry.checkpoint import safeload  # torch
 
     # every pickle of it within the allow-lists, the RNG states too: a checkpoint that holds code is not used
     problem = safeload.first_problem(folder, safeload.unpickled_files(manifest))

@@ -1,5 +1,5 @@
 """``python -m train_entry.consolidate FOLDER --out DIR``: the job's final step runs this
-(train_entry.weights_step) as a process of its own, so that it can be timed out and
+(train_entry.agent.consolidation) as a process of its own, so that it can be timed out and
 stopped, and its memory is the system's again when it exits. Prints the summary as JSON;
 a ConsolidateError is one line on stderr and the user-error exit code."""
 

@@ -16,7 +16,7 @@ class DcpReader:
     def __init__(self, src: Path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from train_entry import safeload
+        from train_entry.checkpoint import safeload
 
         self.src = src
         try:
@@ -38,7 +38,7 @@ class DcpReader:
         import torch
         import torch.distributed.checkpoint as dcp
 
-        from train_entry import safeload
+        from train_entry.checkpoint import safeload
 
         group = {it.key: torch.empty(it.shape, dtype=self.stored[it.key][1]) for it in items}
         try:

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from train_entry import direct_io
+from train_entry.checkpoint import direct_io
 from train_entry.consolidate.items import ConsolidateError, Item
 
 

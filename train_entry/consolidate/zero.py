@@ -87,7 +87,7 @@ class ZeroReader:
         return osd.get("param_alignment_paddings")
 
     def _load(self, path: Path):
-        from train_entry import safeload
+        from train_entry.checkpoint import safeload
 
         if not os.path.lexists(path):
             raise ConsolidateError(f"{path} is missing")

@@ -36,7 +36,7 @@ class Engine:
         uninterrupted run has after its first step (a no-op where the layout never changes)."""
 
     state_format: str
-    # the files the last save_state wrote, hashed as written (checkpoint_writer.Written), if any
+    # the files the last save_state wrote, hashed as written (checkpoint.writer.Written), if any
     written = None
 
     def save_state(self, folder, asynchronous: bool = False):
@@ -93,7 +93,7 @@ class DCPState:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from train_entry.checkpoint_writer import HashingWriter
+        from train_entry.checkpoint.writer import HashingWriter
 
         self.wait_staged()  # a save's copy is never made over the last one's while it is made
         state, target = self._share(self._state()), str(folder / "dcp")
@@ -137,7 +137,7 @@ class DCPState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        from train_entry import safeload
+        from train_entry.checkpoint import safeload
 
         src = folder / "dcp"
         safeload.check_dcp(src)  # refused here, by name, before DCP reads a thing

@@ -106,7 +106,7 @@ class DeepSpeedEngine(Engine):
         return None
 
     def load_state(self, folder, same_world: bool) -> None:
-        from train_entry import safeload
+        from train_entry.checkpoint import safeload
 
         # DeepSpeed (and its universal conversion) unpickles with weights_only=False: every file it
         # may read passes the weights-only loader first, on every rank, or nothing is loaded

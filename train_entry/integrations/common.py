@@ -13,8 +13,9 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.contract import ExitCode
 
-from train_entry import fingerprint, safeload
-from train_entry.checkpoint import Resume, clear_tmp, gather
+from train_entry.checkpoint import fingerprint, safeload
+from train_entry.checkpoint.commit import clear_tmp, gather
+from train_entry.checkpoint.resume import Resume
 
 # DeepSpeed unpickles its files with weights_only=False (the Trainer and Accelerate load
 # theirs with weights_only=True): every such file passes the allow-lists first

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from train_entry.direct_io import DirectStream, HashedStream, fsync_file, open_stream
+from train_entry.checkpoint.direct_io import DirectStream, HashedStream, fsync_file, open_stream
 
 
 class Written:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,10 +30,9 @@ import torch
 from torch import distributed as dist
 
 from orchestrator import contract
-from train_entry import fingerprint, safeload
+from train_entry.checkpoint import fingerprint, rng
+from train_entry.checkpoint.fingerprint import ResumeMismatch
 from train_entry.engines.base import autocast, forward
-from train_entry.fingerprint import ResumeMismatch
-from train_entry.paramnames import clean
 
 # relative difference of the probe loss allowed on a reshard; measured 0 (bitwise) for DDP,
 # FSDP2 and ZeRO-2/3 with 2 -> 1 and 2 -> 4 ranks (tests/test_resume_fingerprint.py), kept
@@ -106,17 +104,6 @@ def step_loss(losses: list) -> float:
     return float(loss)
 
 
-def _saved_rng(folder: Path, rank: int, device: torch.device) -> None:
-    """Inside a forked RNG: the torch streams saved rank ``rank`` had at the save (its dropout)."""
-    path = folder / "rng" / f"rank-{rank}.pt"
-    if not os.path.lexists(path):
-        return
-    state = safeload.torch_load(path, mmap=False, allow={})
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def reprobe(engine, dataset, loss_fn, folder: Path, probe: dict) -> list[float]:
     """Collective, after the load: the probe of every saved rank's micro-batch, recomputed.
     The saved ranks are shared round-robin; every rank runs the same number of forwards
@@ -131,7 +118,7 @@ def reprobe(engine, dataset, loss_fn, folder: Path, probe: dict) -> list[float]:
         src = r if r < saved else rank % saved
         sampler = Sampler(probe["dataset_len"], probe["seed"], probe["micro_batch"], probe["grad_accum"], saved, src)
         with untouched(engine.model, engine.device):
-            _saved_rng(folder, src, engine.device)
+            rng.use_saved_torch_streams(folder, src, engine.device)
             inputs, targets = sampler.batch(dataset, probe["step"], 0, engine.device)
             loss = probe_loss(engine, inputs, targets, loss_fn)
         mine.append(loss if r < saved else math.nan)
@@ -241,20 +228,3 @@ def _probe_unusable(probe: dict, dataset_len: int, settings: str) -> str | None:
         return "the model, data or precision settings are not those of the checkpoint's run"
     return None
 
-
-def inject_reinit(model: torch.nn.Module, prefix: str) -> list[str]:
-    """Tests only (``FAULT_REINIT``): re-initialise the trainable parameters whose names start
-    with ``prefix``, after the load, as a loader that silently re-creates a layer would.
-    Every rank changes the elements it holds (a replica, an FSDP2 shard, a ZeRO-3 partition)."""
-    hit = []
-    for name, p in model.named_parameters():
-        if not (p.requires_grad and clean(name).startswith(prefix)):
-            continue
-        target = getattr(p, "ds_tensor", None)
-        if target is None:
-            target = p.to_local() if hasattr(p, "to_local") else p
-        g = torch.Generator().manual_seed(len(hit) + 1)
-        with torch.no_grad():
-            target.copy_(torch.randn(target.shape, generator=g).to(target.dtype) * 0.02)
-        hit.append(clean(name))
-    return hit

@@ -1,0 +1,67 @@
+"""The test-fault hooks (``train_entry.faults``, ``orchestrator.supervise.faults``): nothing
+happens unless their variable is set, and then only where it says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from orchestrator.contract import envvars
+from train_entry import faults
+
+
+def test_unset_hooks_do_nothing(tmp_path, monkeypatch):
+    for name in (envvars.FAULT_SLOW_SAVE_S, envvars.FAULT_STALL_SAVE, envvars.FAULT_REINIT):
+        monkeypatch.delenv(name, raising=False)
+    t0 = time.monotonic()
+    faults.slow_save(tmp_path, 0)
+    faults.stall_save(3, 1)
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    assert faults.reinit_after_load(model) == []
+    assert torch.equal(model.weight, before) and time.monotonic() - t0 < 1.0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_slow_save_writes_all_along_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(envvars.FAULT_SLOW_SAVE_S, "0.3")
+    t0 = time.monotonic()
+    faults.slow_save(tmp_path, 1)
+    assert time.monotonic() - t0 >= 0.3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_stall_is_for_its_step_on_rank_1_of_the_first_launch_and_generation_only(monkeypatch):
+    monkeypatch.setenv(envvars.FAULT_STALL_SAVE, "3")
+    monkeypatch.setenv(envvars.GENERATION, "0")
+    monkeypatch.setenv(envvars.LAUNCH, "12_0.1")  # a later launch: no stall
+    faults.stall_save(3, 1)
+    monkeypatch.setenv(envvars.LAUNCH, "12_0.0")
+    faults.stall_save(2, 1)  # another step
+    faults.stall_save(3, 0)  # another rank
+    monkeypatch.setenv(envvars.GENERATION, "1")
+    faults.stall_save(3, 1)  # a later generation
+
+
+def test_reinit_changes_only_the_named_trainable_parameters(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].bias.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.setenv(envvars.FAULT_REINIT, "1.")
+    assert faults.reinit_after_load(model) == ["1.weight"]
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"1.weight"}
+
+
+def test_the_watcher_dies_only_at_the_named_point(tmp_path):
+    code = "from orchestrator.supervise import faults; faults.die_at('after-x'); faults.die_at('after-y'); print('past')"
+    env = {envvars.FAULT_INJECT: "after-y", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 70 and "past" not in done.stdout
+    env[envvars.FAULT_INJECT] = ""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and "past" in done.stdout
