@@ -21,9 +21,15 @@ quickstart: install
 	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
 	$(PYTHON) -m orchestrator events quickstart
 
+# The tiers (tests/README.md): the unit tests on both cores at once (pytest-xdist), then the
+# multi-process and SLURM tiers one test at a time (each already uses both cores, and the
+# chaos tests time real faults). Each run prints its slowest tests at the end.
+FAST := -m "not multiproc and not slurm"
+
 test: install
 	scripts/slurm-local up
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 2 $(FAST)
+	$(PYTHON) -m pytest -m "multiproc or slurm"
 
 test-fast:
-	$(PYTHON) -m pytest -m "not multiproc"
+	$(PYTHON) -m pytest -n 2 $(FAST)

@@ -30,7 +30,9 @@ def home(tmp_path, monkeypatch) -> Path:
 
 def cli(*args: str, home: Path, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run `orchestrate` as a user would, in a fresh process."""
-    env = {**os.environ, "ORCHESTRATE_HOME": str(home), "PYTHONPATH": str(REPO / "tests" / "workloads")}
+    # no COLUMNS/LINES: pytest-xdist's workers set them (80x24), and a table's width must be a pipe's here
+    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}, "ORCHESTRATE_HOME": str(home),
+           "PYTHONPATH": str(REPO / "tests" / "workloads")}
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args],
         capture_output=True,
@@ -196,3 +198,21 @@ def restart_local_cluster(**variant: str) -> None:
         out = subprocess.run([str(REPO / "scripts" / "slurm-local"), cmd], env={**env, **variant}, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+TIERS = {"unit": set(), "multiproc": {"multiproc"}, "slurm": {"multiproc", "slurm"}}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The folders are the tiers (tests/README.md): tests/unit holds no test marked multiproc or
+    slurm, and every test marked slurm lives in tests/slurm, so a newcomer reads the tiers from
+    the tree and `make test-fast` selects by marker what tests/unit holds."""
+    wrong = []
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
+        folder = parts[0] if len(parts) > 1 else ""
+        marks = {m.name for m in item.iter_markers()} & {"multiproc", "slurm"}
+        if folder not in TIERS or not marks <= TIERS[folder]:
+            wrong.append(f"{item.nodeid} (marked {sorted(marks) or 'unit'}) is in tests/{folder or '.'}")
+    if wrong:
+        raise pytest.UsageError("tests in the wrong tier's folder:\n  " + "\n  ".join(wrong))

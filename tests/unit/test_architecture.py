@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator import contract
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _imports(path: pathlib.Path, top_level_only: bool = False) -> set[str]:

@@ -14,7 +14,7 @@ from orchestrator import contract
 from orchestrator.cli.main import COMMANDS, handler, main
 from orchestrator.cli.parser import build_parser
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_entry_point_imports_only_the_standard_library():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from orchestrator import contract
-from tests.conftest import free_port
+from conftest import free_port
 from train_entry.checkpoint import direct_io, writer
 
 

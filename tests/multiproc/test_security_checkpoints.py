@@ -390,7 +390,7 @@ def test_real_zero_checkpoints_hold_exactly_the_allow_listed_globals_and_load(tm
 
     from conftest import free_port
 
-    made = subprocess.run([sys.executable, str(REPO / "tests" / "zero_frozen_tied.py"), str(tmp_path), str(free_port())],
+    made = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "zero_frozen_tied.py"), str(tmp_path), str(free_port())],
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     seen = set()

@@ -2,7 +2,7 @@
 fine-tuning checkpoints hold and the built-in model lacks: frozen parameters (as LoRA
 leaves the base), a tied weight, and integer and float buffers.
 
-    python tests/zero_frozen_tied.py OUT_DIR   ->  OUT_DIR/z2/deepspeed/state, OUT_DIR/z3/...
+    python tests/workloads/zero_frozen_tied.py OUT_DIR   ->  OUT_DIR/z2/deepspeed/state, OUT_DIR/z3/...
 """
 
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class Model(torch.nn.Module):

@@ -7,7 +7,7 @@ import pytest
 from orchestrator.scheduler.slurm_parse import history, observe, parse_job_id, parse_sacct, parse_squeue, translate_state
 from orchestrator.states import AttemptState as A
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def test_job_ids():

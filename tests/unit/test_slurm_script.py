@@ -11,7 +11,7 @@ from orchestrator.errors import SpecError
 from orchestrator.scheduler.slurm_script import batch_parameters, explain_refusal, render_batch_script
 from orchestrator.submit.submission import make_plan
 
-GOLDEN = Path(__file__).parent / "data" / "golden"
+GOLDEN = Path(__file__).parents[1] / "data" / "golden"
 
 GPU_SPEC = """\
 name: gpu-ft

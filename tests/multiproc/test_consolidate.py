@@ -190,7 +190,7 @@ def test_frozen_tied_and_integer_buffers_come_out_as_zero_to_fp32_gives_them(tmp
     from conftest import REPO, free_port
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    made = subprocess.run([sys.executable, str(REPO / "tests" / "zero_frozen_tied.py"), str(tmp_path), str(free_port())],
+    made = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "zero_frozen_tied.py"), str(tmp_path), str(free_port())],
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     for stage in (2, 3):
