@@ -1,10 +1,11 @@
 """The connection owner every table group of the ledger builds on.
 
 It opens the database, owns the one connection and its transactions, reads rows by
-plain SQL (sqlite-utils is loaded only to write: a read command never imports it),
-writes the events every state change comes with, and guards the transition tables:
-an illegal move is never applied; it raises in strict mode (the tests:
-``$ORCHESTRATE_STRICT_TRANSITIONS=1``) and is an event otherwise.
+plain SQL (sqlite-utils, made on first use, is for the schema and the writes: a read
+command never imports it), writes the event every state change comes with, in the
+change's transaction, and guards the transition tables: an illegal move is never
+applied; it raises in strict mode (the tests: ``$ORCHESTRATE_STRICT_TRANSITIONS=1``)
+and is an event otherwise.
 """
 
 from __future__ import annotations

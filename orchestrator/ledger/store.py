@@ -23,8 +23,9 @@ from orchestrator.ledger.progress import Progress
 
 
 class Ledger(Attempts, Progress, Events, Actions, Leases, Notifications):
-    """experiments and tasks (``experiments``), attempts, heartbeats, metrics, cursors and
-    checkpoints (``progress``), events, actions, leases, notifications."""
+    """Experiments and tasks (``experiments``, under ``attempts`` and ``progress``),
+    attempts, heartbeats, metrics, checkpoints and read positions (``progress``), events,
+    actions, leases, notifications."""
 
 
 __all__ = ["Ledger"]
