@@ -12,7 +12,7 @@ from orchestrator.contract import envvars
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
 from orchestrator.scheduler import commands
-from orchestrator.supervise import cancel, watcher
+from orchestrator.supervise import cancel, loop
 
 
 def cmd_cancel(args) -> int:
@@ -36,7 +36,7 @@ def cmd_watch(args) -> int:
     if args.experiment:
         exp = access.resolve_experiment(ledger, args.experiment)[0]
         if args.once:
-            watcher.watch(ledger, [exp["id"]], args.interval, once=True)
+            loop.watch(ledger, [exp["id"]], args.interval, once=True)
             return 0
         return follow_experiment(ledger, exp["id"], False, args.interval)
     seen: dict[str, int] = {}  # events already printed; history before the watcher started is not repeated
@@ -49,7 +49,7 @@ def cmd_watch(args) -> int:
                 print(f"{exp_id} {render.event_line(e)}", flush=True)
             seen[exp_id] = len(events)
 
-    watcher.watch(ledger, None, args.interval, once=args.once, on_cycle=show)
+    loop.watch(ledger, None, args.interval, once=args.once, on_cycle=show)
     return 0
 
 

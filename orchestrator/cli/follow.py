@@ -8,7 +8,7 @@ import sys
 from orchestrator.cli import render
 from orchestrator.cli.console import stdout_console
 from orchestrator.ledger.values import json_safe
-from orchestrator.supervise import watcher
+from orchestrator.supervise import loop
 from orchestrator.states import TaskState
 
 
@@ -50,6 +50,6 @@ def _watch_with_progress(ledger, exp_id: str, interval: float) -> None:
             def show_table(ids):
                 live.update(Group(*render.status_tables(render.status_document(ledger, [ledger.experiment(exp_id)]))))
 
-            watcher.watch(ledger, [exp_id], interval, on_cycle=show_table)
+            loop.watch(ledger, [exp_id], interval, on_cycle=show_table)
     else:
-        watcher.watch(ledger, [exp_id], interval, on_cycle=show_events)
+        loop.watch(ledger, [exp_id], interval, on_cycle=show_events)

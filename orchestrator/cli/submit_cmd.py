@@ -9,7 +9,7 @@ from orchestrator.cli.follow import follow_experiment
 from orchestrator.ledger import access
 from orchestrator.scheduler import get_scheduler
 from orchestrator.submit import submission
-from orchestrator.supervise import watcher
+from orchestrator.supervise import leases
 
 
 def cmd_submit(args) -> int:
@@ -24,7 +24,7 @@ def cmd_submit(args) -> int:
         return 0
     ledger = access.open_ledger(home)
     # tasks the queue has no room for may wait only for a watcher: this process, or one that watches every experiment
-    job_ids = submission.submit(ledger, plan, watched=args.watch or watcher.watching_all(ledger))
+    job_ids = submission.submit(ledger, plan, watched=args.watch or leases.watching_all(ledger))
     jobs = ", ".join(sorted({j.split("_")[0] for j in job_ids.values()}, key=lambda j: (len(j), j))) or "none yet"
     waiting = len(plan.tasks) - len(job_ids)
     print(f"submitted {plan.name} as {plan.experiment_id}: {len(plan.tasks)} task(s) ({plan.executor}: {jobs})"

@@ -1,5 +1,6 @@
 """The SQLite ledger (sqlite-utils): schema migrations and the store."""
 
-from orchestrator.ledger.store import Ledger, filesystem_type
+from orchestrator.ledger.dbfile import filesystem_type
+from orchestrator.ledger.store import Ledger
 
 __all__ = ["Ledger", "filesystem_type"]

@@ -1,7 +1,8 @@
 """The watcher's policies, pure: is a rank hung, and what to do about a failed attempt.
 
 No I/O here: the watcher (``watcher.py``) gathers the facts, these functions decide,
-and the watcher carries the decision out. Every case is unit-tested.
+and its steps (``recover``, ``hangs``, ``pending_jobs``) carry the decision out.
+Every case is unit-tested.
 """
 
 from __future__ import annotations

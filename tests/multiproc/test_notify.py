@@ -22,7 +22,8 @@ from orchestrator.notify.outbox import Notifier
 from orchestrator.spec.load import load_spec
 from orchestrator.spec.sweep import expand
 from orchestrator.states import TaskState
-from orchestrator.supervise.watcher import Watcher, watch
+from orchestrator.supervise.loop import watch
+from orchestrator.supervise.watcher import Watcher
 
 ALL = ["failed", "recovered", "completed", "needs_attention"]
 

@@ -144,16 +144,16 @@ def test_failed_submission_leaves_nothing():
 
 
 def test_a_ledger_other_hosts_see_uses_a_rollback_journal_and_readers_leave_it_to_the_remote_watcher(tmp_path, monkeypatch):
-    from orchestrator.ledger import store
+    from orchestrator.ledger import dbfile
     from orchestrator.supervise import refresh
 
     monkeypatch.delenv("ORCHESTRATE_LEDGER_FS", raising=False)
-    monkeypatch.setattr(store, "filesystem_type", lambda p: "nfs4")
+    monkeypatch.setattr(dbfile, "filesystem_type", lambda p: "nfs4")
     ledger = Ledger.open(tmp_path / "l.db")
     # WAL needs memory shared by every process that opens the file: never across hosts
     assert ledger.shared and ledger.where == "a nfs4 filesystem"
     assert ledger.db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
-    monkeypatch.setattr(store, "filesystem_type", lambda p: "ext4")
+    monkeypatch.setattr(dbfile, "filesystem_type", lambda p: "ext4")
 
     def mode(path):
         led = Ledger.open(path)

@@ -10,7 +10,8 @@ from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.scheduler.site_limits import QUEUE_WAITING, Room
 from orchestrator.states import AttemptState, TaskState
 from orchestrator.supervise import cancel
-from orchestrator.supervise.watcher import ALL_LEASE, Watcher, watching_all
+from orchestrator.supervise.leases import ALL_LEASE, watching_all
+from orchestrator.supervise.watcher import Watcher
 
 
 class Queue:

@@ -191,7 +191,7 @@ def test_a_job_slurm_can_never_start_gets_its_oldest_exclusion_lifted_or_fails_c
 def test_a_recovery_keeps_the_specs_own_excluded_nodes_when_it_replaces_the_jobs_list():
     import json
 
-    from orchestrator.supervise.watcher import spec_exclude, with_spec_exclude
+    from orchestrator.supervise.exp_spec import spec_exclude, with_spec_exclude
 
     exp = {"spec": json.dumps({"resources": {"exclude": ["g007", "g001"]}})}
     assert spec_exclude(exp) == ["g007", "g001"]

@@ -501,18 +501,19 @@ def test_a_task_whose_first_rows_failed_to_store_loses_none_of_them(tmp_path, mo
 
 
 def test_a_watcher_that_fails_on_one_task_goes_on_with_the_others(tmp_path, monkeypatch):
+    from orchestrator.supervise import hangs
     from orchestrator.supervise.watcher import Watcher
 
     ledger = Ledger.memory(strict=False)
     add_experiment(ledger, tmp_path, "A", 2)
     checked = []
 
-    def check_hang(self, exp, task, attempt, cfg):
+    def check_hang(act, exp, task, attempt, cfg, pacer):
         if task["idx"] == 0:
             raise TypeError("a bug")
         checked.append(task["idx"])
 
-    monkeypatch.setattr(Watcher, "_check_hang", check_hang)
+    monkeypatch.setattr(hangs, "check", check_hang)
     watcher = Watcher(ledger, interval_s=0.1)
     for _ in range(2):
         watcher.cycle(["A"])
