@@ -2,7 +2,7 @@
 
 Each command's module is imported only when that command runs, so that
 `orchestrate status` on a login node never pays for what `plan` or
-`ckpt consolidate` import (tests/test_architecture.py checks the read commands).
+`ckpt consolidate` import (tests/unit/test_architecture.py checks the read commands).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """status, events, logs: read the ledger and the run folder.
 
-They run on login nodes, so they import nothing heavy (no torch; tests/test_architecture.py).
+They run on login nodes, so they import nothing heavy (no torch; tests/unit/test_architecture.py).
 """
 
 from __future__ import annotations

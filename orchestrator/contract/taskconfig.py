@@ -3,7 +3,7 @@
 The login side validates the spec (pydantic) and writes ``task.json`` from it; the
 compute side reads it back through ``TaskConfig.load``, so that no module there
 spells a default again with ``.get(key, default)``. The defaults below are the
-spec's own: ``tests/test_contract.py`` checks every one against the spec models.
+spec's own: ``tests/unit/test_contract.py`` checks every one against the spec models.
 
 The model, data and engine sections differ by ``kind`` and were validated by the
 spec; they cross as read-only mappings.

@@ -2,7 +2,7 @@
 the policies (checkpoint, retry, heartbeat, logging) and notify.
 
 Apart from `sweep` and `notify`, each is mirrored field for field (defaults included) by a dataclass
-in ``orchestrator.contract.taskconfig``; ``tests/test_contract.py`` checks the two agree.
+in ``orchestrator.contract.taskconfig``; ``tests/unit/test_contract.py`` checks the two agree.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What attempts and tasks have become, from the launch records and the scheduler's
-word. Pure: no I/O, so every case is unit-tested (tests/test_reconcile.py).
+word. Pure: no I/O, so every case is unit-tested (tests/unit/test_reconcile.py).
 
 ``decide`` judges one attempt from one launch record and one observation;
 ``plan_refresh`` walks one task through everything that happened since the last

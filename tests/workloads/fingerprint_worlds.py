@@ -1,5 +1,5 @@
 """One rank: the built-in model (same seed everywhere) wrapped by an engine, and its
-fingerprint written by rank 0 (tests/test_resume_fingerprint.py compares them).
+fingerprint written by rank 0 (tests/multiproc/test_resume_fingerprint.py compares them).
 
     python fingerprint_worlds.py KIND OUT_JSON    (with RANK, WORLD_SIZE, MASTER_* set)
 KIND: plain (no process group wrapper), ddp, fsdp, zero1, zero2, zero3; ddp-copy: each rank

@@ -35,7 +35,7 @@ from train_entry.checkpoint.fingerprint import ResumeMismatch
 from train_entry.engines.base import autocast, forward
 
 # relative difference of the probe loss allowed on a reshard; measured 0 (bitwise) for DDP,
-# FSDP2 and ZeRO-2/3 with 2 -> 1 and 2 -> 4 ranks (tests/test_resume_fingerprint.py), kept
+# FSDP2 and ZeRO-2/3 with 2 -> 1 and 2 -> 4 ranks (tests/multiproc/test_resume_fingerprint.py), kept
 # above float32 rounding so a kernel that sums in another order never fails a good resume
 RESHARD_RTOL = 1e-5
 

@@ -63,7 +63,7 @@ class _ZeroStage(int):
 
 
 # What DeepSpeed's checkpoint files hold besides tensors and plain containers. Found by saving
-# ZeRO-0/1/2/3 checkpoints (fp32 and bf16, with and without CPU offload; tests/zero_frozen_tied.py's
+# ZeRO-0/1/2/3 checkpoints (fp32 and bf16, with and without CPU offload; tests/workloads/zero_frozen_tied.py's
 # model) and their universal conversions, and listing torch.serialization.get_unsafe_globals_in_checkpoint
 # of every file; fp16 (GPU only) swaps in the dynamic scaler, pickled alike (see the tests).
 DEEPSPEED_GLOBALS = {
