@@ -41,43 +41,86 @@ def _cfg(task_dir: Path, asynchronous: bool):
 
 def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
     from torch import distributed as dist
 
-    from train_entry.checkpoint.checkpointer import Checkpointer
+    dist.init_process_group("gloo")
+    base = Path(workdir)
+    saves = _Saves(rank, world, _engine(model_gb, base), base)
+    rows = saves.rows
+    source = Path("/dev/shm") / f"bench-ckpt-source-{os.getpid()}"  # the limit's data: random bytes, from memory
+    # the first save of a run allocates what later ones reuse (the asynchronous save's staging
+    # copy): reported on its own, not in the medians
+    rows["first_sync"].append(saves.one("sync")[1])
+    rows["first_async_blocked"].append(saves.one("async")[0])
+    for _ in range(repeats):
+        rows["steps_alone"] += [saves.train_step() for _ in range(3)]
+        for kind in ("sync", "buffered", "async"):
+            blocked, total, info = saves.one(kind)
+            if rank == 0:
+                if kind == "async":
+                    rows["ours_async_blocked"].append(blocked)
+                    rows["ours_async_total"].append(total)
+                else:
+                    rows["ours_sync" if kind == "sync" else "ours_buffered"].append(total)
+                if kind == "sync":
+                    rows["bytes"].append(sum(p.stat().st_size for p in Path(info["folder"]).rglob("*") if p.is_file()))
+        if rank == 0:
+            _peer_and_limit(saves.engine, base, rows, source)
+        dist.barrier()
+    source.unlink(missing_ok=True)
+    if rank == 0:
+        (base / "rows.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _engine(model_gb: float, base: Path):
+    """A DDP engine over --model-gb of fp32 weights, after one AdamW step (so the optimizer has its states)."""
+    import torch
+
     from train_entry.engines.ddp import DDPEngine
 
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     n = max(1, int(model_gb * 1024**3 / (WIDTH * WIDTH * 4)))
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n)])
-    base = Path(workdir)
     engine = DDPEngine(_cfg(base, False), model, torch.device("cpu"))
     engine.micro_step(torch.randn(2, WIDTH), None, lambda out, _t: out.pow(2).mean(), 1, True)
     engine.optimizer_step(1e-4)
-    rows = {"ours_sync": [], "ours_buffered": [], "ours_async_blocked": [], "ours_async_total": [], "torch_save": [], "bytes": [],
-            "dd_random": [], "dd_zero": [], "first_sync": [], "first_async_blocked": []}
-    source = Path("/dev/shm") / f"bench-ckpt-source-{os.getpid()}"  # the limit's data: random bytes, from memory
-    step = 0
-    rows["steps_during_save"], rows["steps_alone"] = [], []
-    batch = torch.randn(BATCH, WIDTH)
+    return engine
 
-    def train_step() -> float:
+
+class _Saves:
+    """Our saves of one rank, each timed, and the training steps taken between them; ``rows``: the timings."""
+
+    def __init__(self, rank: int, world: int, engine, base: Path):
+        import torch
+
+        self.rank, self.world, self.engine, self.base = rank, world, engine, base
+        self.step = 0
+        self.batch = torch.randn(BATCH, WIDTH)
+        self.rows = {"ours_sync": [], "ours_buffered": [], "ours_async_blocked": [], "ours_async_total": [], "torch_save": [],
+                     "bytes": [], "dd_random": [], "dd_zero": [], "first_sync": [], "first_async_blocked": [],
+                     "steps_during_save": [], "steps_alone": []}
+
+    def train_step(self) -> float:
         t = time.perf_counter()
-        engine.micro_step(batch, None, lambda out, _t: out.pow(2).mean(), 1, True)
-        engine.optimizer_step(1e-6)
+        self.engine.micro_step(self.batch, None, lambda out, _t: out.pow(2).mean(), 1, True)
+        self.engine.optimizer_step(1e-6)
         return time.perf_counter() - t
 
-    def one(kind: str) -> tuple[float, float, dict]:
+    def one(self, kind: str) -> tuple[float, float, dict]:
         """One save of ``kind``: (seconds training was blocked, seconds to the commit, its info)."""
-        nonlocal step
-        step += 1
+        from torch import distributed as dist
+
+        from train_entry.checkpoint.checkpointer import Checkpointer
+
+        self.step += 1
+        engine = self.engine
         engine.direct_io = kind != "buffered"
         asynchronous = kind == "async"
-        ck = Checkpointer(_cfg(base / kind, asynchronous), rank, world, engine)
+        ck = Checkpointer(_cfg(self.base / kind, asynchronous), self.rank, self.world, engine)
         dist.barrier()
         t0 = time.perf_counter()
-        info = ck.save(step, {})
+        info = ck.save(self.step, {})
         blocked = time.perf_counter() - t0
         if asynchronous:
             # training goes on: the copy is made during the next forward and backward, and the
@@ -86,7 +129,7 @@ def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, po
             # blocks training
             waited, info = engine.staging_wait_s, None
             while info is None:
-                rows["steps_during_save"].append(train_step())
+                self.rows["steps_during_save"].append(self.train_step())
                 tp = time.perf_counter()
                 info = ck.poll_pending()
                 blocked += time.perf_counter() - tp
@@ -96,48 +139,30 @@ def _rank(rank: int, world: int, model_gb: float, repeats: int, workdir: str, po
         dist.barrier()
         return blocked, total, info
 
-    # the first save of a run allocates what later ones reuse (the asynchronous save's staging
-    # copy): reported on its own, not in the medians
-    rows["first_sync"].append(one("sync")[1])
-    rows["first_async_blocked"].append(one("async")[0])
-    for _ in range(repeats):
-        rows["steps_alone"] += [train_step() for _ in range(3)]
-        for kind in ("sync", "buffered", "async"):
-            blocked, total, info = one(kind)
-            if rank == 0:
-                if kind == "async":
-                    rows["ours_async_blocked"].append(blocked)
-                    rows["ours_async_total"].append(total)
-                else:
-                    rows["ours_sync" if kind == "sync" else "ours_buffered"].append(total)
-                if kind == "sync":
-                    rows["bytes"].append(sum(p.stat().st_size for p in Path(info["folder"]).rglob("*") if p.is_file()))
-        # the peer: what a DDP user writes by hand, rank 0 saving everything to one file
-        if rank == 0:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            target = base / "torch_save.pt"
-            t0 = time.perf_counter()
-            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-            with open(target, "wb") as fh:
-                torch.save({"model": model_sd, "optim": optim_sd}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            rows["torch_save"].append(time.perf_counter() - t0)
-            target.unlink()
-            # the limit, in the same window as our saves (this disk's speed drifts over minutes)
-            nbytes = int(rows["bytes"][0])
-            if not source.exists():
-                with open(source, "wb") as fh:
-                    for s in range(0, nbytes, 1 << 26):
-                        fh.write(torch.randn(min(1 << 26, nbytes - s) // 4).numpy().tobytes())
-            rows["dd_random"].append(dd_seconds(base / "dd.bin", nbytes, str(source)))
-            rows["dd_zero"].append(dd_seconds(base / "dd.bin", nbytes, "/dev/zero"))
-        dist.barrier()
-    source.unlink(missing_ok=True)
-    if rank == 0:
-        (base / "rows.json").write_text(json.dumps(rows))
-    dist.destroy_process_group()
+def _peer_and_limit(engine, base: Path, rows: dict, source: Path) -> None:
+    """Rank 0: the peer, what a DDP user writes by hand (everything to one file with
+    ``torch.save``), and the limit, ``dd`` of as many bytes, in the same window as our
+    saves (this disk's speed drifts over minutes)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    target = base / "torch_save.pt"
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    with open(target, "wb") as fh:
+        torch.save({"model": model_sd, "optim": optim_sd}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    rows["torch_save"].append(time.perf_counter() - t0)
+    target.unlink()
+    nbytes = int(rows["bytes"][0])
+    if not source.exists():
+        with open(source, "wb") as fh:
+            for s in range(0, nbytes, 1 << 26):
+                fh.write(torch.randn(min(1 << 26, nbytes - s) // 4).numpy().tobytes())
+    rows["dd_random"].append(dd_seconds(base / "dd.bin", nbytes, str(source)))
+    rows["dd_zero"].append(dd_seconds(base / "dd.bin", nbytes, "/dev/zero"))
 
 
 def dd_seconds(path: Path, nbytes: int, source: str) -> float:

@@ -196,7 +196,7 @@ def _free_port() -> int:
 def trainer_rank(raw: str) -> None:
     """One rank of the Trainer run: the rows this rank sees under orchestrate, in its order."""
     a = json.loads(raw)
-    engine, steps, ds_config = a["engine"], a["steps"], a["ds_config"]
+    steps, ds_config = a["steps"], a["ds_config"]
     import torch
 
     if ds_config:
@@ -207,23 +207,9 @@ def trainer_rank(raw: str) -> None:
     import transformers
     from torch.utils.data import DataLoader
 
-    from train_entry.data import Sampler
-    from train_entry.hf import chat, load
-
     transformers.logging.set_verbosity_error()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tok = transformers.AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
-    examples, _ = chat.load_examples(tok, str(DATA), "chat", MAX_LENGTH)
-    packed = chat.Packed(examples, MAX_LENGTH, load.pad_id(tok))
-    sampler = Sampler(len(packed), SEED, MICRO_BATCH, 1, world, rank)
-    batches = [sampler.indices(step, 0) for step in range(steps)]  # orchestrate's rows for this rank, step by step
-
-    def collate(idx_lists):
-        (idx,) = idx_lists
-        inputs, shifted = packed.collate([packed[i] for i in idx])
-        labels = torch.full_like(shifted, chat.IGNORE)  # the model shifts again: labels[i+1] is the target of i
-        labels[:, 1:] = shifted[:, :-1]
-        return {**inputs, "labels": labels}
+    batches, collate = _orchestrate_rows(steps, rank, world)
 
     class Stamps(transformers.TrainerCallback):
         def __init__(self):
@@ -239,14 +225,7 @@ def trainer_rank(raw: str) -> None:
                 self.first_loss = logs["loss"]
 
     stamps = Stamps()
-    args = transformers.TrainingArguments(
-        output_dir=str(Path(a["result"]).with_suffix(".out")), per_device_train_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=1, max_steps=steps, learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=5,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", seed=SEED, use_cpu=True, ddp_backend="gloo",
-        ddp_find_unused_parameters=False,  # orchestrate's default; a PeftModel otherwise gets True
-        average_tokens_across_devices=False,  # orchestrate's loss: each rank's token mean, gradients averaged
-        logging_steps=steps, logging_first_step=True, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
-        deepspeed=ds_config)
+    args = _training_args(Path(a["result"]).with_suffix(".out"), steps, ds_config)
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True, dtype=torch.float32,
                                                               attn_implementation="sdpa")
     model.config.use_cache = False
@@ -263,6 +242,45 @@ def trainer_rank(raw: str) -> None:
     if rank == 0:
         Path(a["result"]).write_text(json.dumps({"times": stamps.times, "first_loss": stamps.first_loss,
                                                  "deepspeed": t.is_deepspeed_enabled, "wrapper": type(t.model_wrapped).__name__}))
+
+
+def _orchestrate_rows(steps: int, rank: int, world: int):
+    """(the row indices orchestrate's sampler gives this rank, step by step; the collate that
+    makes them the Trainer's batches, with the labels unshifted again: the model shifts them)."""
+    import torch
+    import transformers
+
+    from train_entry.data import Sampler
+    from train_entry.hf import chat, load
+
+    tok = transformers.AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
+    examples, _ = chat.load_examples(tok, str(DATA), "chat", MAX_LENGTH)
+    packed = chat.Packed(examples, MAX_LENGTH, load.pad_id(tok))
+    sampler = Sampler(len(packed), SEED, MICRO_BATCH, 1, world, rank)
+    batches = [sampler.indices(step, 0) for step in range(steps)]
+
+    def collate(idx_lists):
+        (idx,) = idx_lists
+        inputs, shifted = packed.collate([packed[i] for i in idx])
+        labels = torch.full_like(shifted, chat.IGNORE)  # the model shifts again: labels[i+1] is the target of i
+        labels[:, 1:] = shifted[:, :-1]
+        return {**inputs, "labels": labels}
+
+    return batches, collate
+
+
+def _training_args(output_dir: Path, steps: int, ds_config: dict | None):
+    """The Trainer's settings, orchestrate's own for the same spec."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=1, max_steps=steps, learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=5,
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", seed=SEED, use_cpu=True, ddp_backend="gloo",
+        ddp_find_unused_parameters=False,  # orchestrate's default; a PeftModel otherwise gets True
+        average_tokens_across_devices=False,  # orchestrate's loss: each rank's token mean, gradients averaged
+        logging_steps=steps, logging_first_step=True, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        deepspeed=ds_config)
 
 
 # ---------------------------------------------------------------- main

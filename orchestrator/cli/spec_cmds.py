@@ -9,7 +9,7 @@ from orchestrator.cli.console import stdout_console
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
 from orchestrator.spec.units import parse_memory_mb
-from orchestrator.submit import memory_plan as mp
+from orchestrator.submit import memory_inputs, memory_plan
 from orchestrator.submit import submission
 
 
@@ -50,8 +50,9 @@ def cmd_plan(args) -> int:
     if gpu_memory == 0:
         raise UserError("--gpu-memory: a GPU has more than 0 memory; leave the option out when unknown")
     spec = tasks[args.task].spec
-    doc = mp.plan(mp.shape_of(spec), mp.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory))
-    doc["spec_engine"] = mp.candidate_of(spec.engine)
+    setting = memory_inputs.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory)
+    doc = memory_plan.plan(memory_inputs.shape_of(spec), setting)
+    doc["spec_engine"] = memory_inputs.candidate_of(spec.engine)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

@@ -172,30 +172,58 @@ def _started(gen: _Gen, st: float | None) -> float | None:
 def account(out: TaskGoodput, gen: _Gen, next_start: int | None, failed: bool, kind: str, where: str, st: float | None) -> Fault | None:
     """One generation's time into ``out``; the fault that ended it, if one did.
     ``next_start``: the step the next generation that trained began from."""
-    sec, nodes = out.seconds, gen.launch.nodes
-
-    def seg(a: float, b: float, cat: str) -> None:
-        if b > a:
-            out.segments.append(Segment(a, b, cat, gen.launch.key, gen.number, nodes))
-
+    sec = out.seconds
     started = _started(gen, st)
     if started is None:  # never trained: all of it start-up (a failure there costs it all)
         sec["startup"] += gen.end - gen.begin
-        seg(gen.begin, gen.end, "startup")
+        _segment(out, gen, gen.begin, gen.end, "startup")
         return Fault(gen.end, None, kind, where, gen.launch.key, gen.number, next_start) if failed else None
-    load = gen.load_s
     started = _clamp(started, gen.begin, gen.end)
-    load_start = _clamp(started - load, gen.begin, started)
+    load_start = _clamp(started - gen.load_s, gen.begin, started)
     sec["startup"] += load_start - gen.begin
     sec["checkpoint_load"] += started - load_start
-    seg(gen.begin, load_start, "startup")
-    seg(load_start, started, "checkpoint_load")
+    _segment(out, gen, gen.begin, load_start, "startup")
+    _segment(out, gen, load_start, started, "checkpoint_load")
+    saves = _saves(out, gen)
+    cut = _cut(gen, started, saves, next_start, failed, st)
+    blocked, ev = _inside(gen, saves, started, cut.t_keep)
+    sec["checkpoint_blocked"] += blocked
+    sec["eval_consolidation"] += ev
+    sec["productive"] += max(cut.t_keep - started - blocked - ev, 0.0)
+    _segment(out, gen, started, cut.t_keep, "productive")
+    if not failed:
+        _account_shutdown(out, gen, cut.t_keep)
+        return None
+    return _account_failure(out, gen, saves, cut, kind, where, next_start)
 
-    start_step = gen.start_step or 0
+
+def _segment(out: TaskGoodput, gen: _Gen, a: float, b: float, cat: str) -> None:
+    if b > a:
+        out.segments.append(Segment(a, b, cat, gen.launch.key, gen.number, gen.launch.nodes))
+
+
+def _saves(out: TaskGoodput, gen: _Gen) -> list[dict]:
+    """The generation's committed saves that say what they blocked, recorded into ``out``."""
     saves = [e for e in gen.events if e["event"] == "checkpoint.committed" and e.get("blocked_s") is not None]
     for e in saves:
         out.saves.append({"step": e.get("step"), "time": e["time"], "blocked_s": e["blocked_s"], "total_s": e.get("total_s"),
                           "launch": gen.launch.key, "generation": gen.number})
+    return saves
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Where a generation's work ended: the last step done (``fail_step``, at ``t_fail``) and
+    the last one kept (``keep``, at ``t_keep``); what lies between was done again."""
+
+    keep: int
+    t_keep: float
+    fail_step: int
+    t_fail: float
+
+
+def _cut(gen: _Gen, started: float, saves: list[dict], next_start: int | None, failed: bool, st: float | None) -> _Cut:
+    start_step = gen.start_step or 0
     # (step, time) of every step the records time: metrics lines, and saves (a save on the
     # signal may come after the last line)
     points = sorted([(start_step, started)] + [(m["step"], _clamp(m["time"], started, gen.end)) for m in gen.metrics]
@@ -211,42 +239,47 @@ def account(out: TaskGoodput, gen: _Gen, next_start: int | None, failed: bool, k
     t_keep = _clamp(_time_at(points + [(fail_step, t_fail)] if fail_step > last_step else points, keep), started, t_fail)
     if keep >= last_step:
         t_keep = last if not failed or keep >= fail_step else t_keep  # a save after the last line is the generation's too
+    return _Cut(keep, t_keep, fail_step, t_fail)
 
-    def inside(a: float, b: float) -> tuple[float, float]:
-        """Seconds saves blocked and evaluation took in (a, b], never more than the span."""
-        blocked = sum(e["blocked_s"] for e in saves if a < e["time"] <= b or (a == b == e["time"]))
-        ev = sum(m.get("eval_s") or 0.0 for m in gen.metrics if a < m["time"] <= b)
-        blocked = min(blocked, b - a)
-        return blocked, min(ev, b - a - blocked)
 
-    blocked, ev = inside(started, t_keep)
+def _inside(gen: _Gen, saves: list[dict], a: float, b: float) -> tuple[float, float]:
+    """Seconds saves blocked and evaluation took in (a, b], never more than the span."""
+    blocked = sum(e["blocked_s"] for e in saves if a < e["time"] <= b or (a == b == e["time"]))
+    ev = sum(m.get("eval_s") or 0.0 for m in gen.metrics if a < m["time"] <= b)
+    blocked = min(blocked, b - a)
+    return blocked, min(ev, b - a - blocked)
+
+
+def _account_shutdown(out: TaskGoodput, gen: _Gen, t_keep: float) -> None:
+    """A generation that ended well: its consolidation, and the leaving after its last step."""
+    consolidation = 0.0
+    a = gen.event("weights.consolidating")
+    b = next((e for e in gen.events if e["event"] in ("weights.consolidated", "weights.failed") and a and e["time"] >= a["time"]), None)
+    if a and b:
+        consolidation = _clamp(b["time"] - a["time"], 0.0, gen.end - t_keep)
+    out.seconds["eval_consolidation"] += consolidation
+    out.seconds["shutdown"] += gen.end - t_keep - consolidation
+    _segment(out, gen, t_keep, gen.end, "shutdown")
+
+
+def _account_failure(out: TaskGoodput, gen: _Gen, saves: list[dict], cut: _Cut, kind: str, where: str,
+                     next_start: int | None) -> Fault:
+    """A generation a failure ended: the work done again, the failure's detection, and the fault."""
+    sec = out.seconds
+    blocked, ev = _inside(gen, saves, cut.t_keep, cut.t_fail)
+    rest = max(cut.t_fail - cut.t_keep - blocked - ev, 0.0)
+    lost = cut.fail_step > cut.keep  # no step lost (saved on the signal): the rest is the leaving, not work
+    recomputed = rest if lost else 0.0
+    detection = gen.end - cut.t_fail + (0.0 if lost else rest)
     sec["checkpoint_blocked"] += blocked
     sec["eval_consolidation"] += ev
-    sec["productive"] += max(t_keep - started - blocked - ev, 0.0)
-    seg(started, t_keep, "productive")
-    if not failed:
-        consolidation = 0.0
-        a = gen.event("weights.consolidating")
-        b = next((e for e in gen.events if e["event"] in ("weights.consolidated", "weights.failed") and a and e["time"] >= a["time"]), None)
-        if a and b:
-            consolidation = _clamp(b["time"] - a["time"], 0.0, gen.end - t_keep)
-        sec["eval_consolidation"] += consolidation
-        sec["shutdown"] += gen.end - t_keep - consolidation
-        seg(t_keep, gen.end, "shutdown")
-        return None
-    blocked2, ev2 = inside(t_keep, t_fail)
-    rest = max(t_fail - t_keep - blocked2 - ev2, 0.0)
-    lost = fail_step > keep  # no step lost (saved on the signal): the rest is the leaving, not work
-    recomputed = rest if lost else 0.0
-    detection = gen.end - t_fail + (0.0 if lost else rest)
-    sec["checkpoint_blocked"] += blocked2
-    sec["eval_consolidation"] += ev2
     sec["recomputed"] += recomputed
     sec["failure_detection"] += detection
-    seg(t_keep, t_fail, "recomputed" if lost else "failure_detection")
-    seg(t_fail, gen.end, "failure_detection")
-    out.steps_recomputed += max(fail_step - keep, 0)
-    return Fault(t_fail, fail_step, kind, where, gen.launch.key, gen.number, next_start, max(fail_step - keep, 0),
+    _segment(out, gen, cut.t_keep, cut.t_fail, "recomputed" if lost else "failure_detection")
+    _segment(out, gen, cut.t_fail, gen.end, "failure_detection")
+    steps_lost = max(cut.fail_step - cut.keep, 0)
+    out.steps_recomputed += steps_lost
+    return Fault(cut.t_fail, cut.fail_step, kind, where, gen.launch.key, gen.number, next_start, steps_lost,
                  {"recomputed": recomputed, "failure_detection": detection})
 
 
@@ -285,39 +318,11 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
     start-up and shutdown (the batch script's)."""
     out = TaskGoodput(step_time_s=step_time(rec.metrics))
     seen = attempt_end_seen or {}
-    by_launch = {a.get("launch"): a for a in attempts if a.get("launch")}
-    chain: list[tuple[_Gen, dict | None]] = []
-    before: dict[str, float] = {}  # launch -> SLURM's time before its agents started (the batch script's)
-    for i, lr in enumerate(rec.launches):
-        att = by_launch.get(lr.key)
-        end = _launch_end(lr, att, seen, rec.launches[i + 1] if i + 1 < len(rec.launches) else None, now)
-        gens = _generations(lr, end, rec)
-        chain += [(g, att) for g in gens]
-        begin = lr.started
-        if (span := _slurm_span(lr, end, slurm_runs or {}, now)) is not None:
-            out.slurm_runs += 1
-            begin, stop = span
-            before[lr.key] = lr.started - begin
-            out.seconds["startup"] += lr.started - begin
-            out.seconds["shutdown"] += stop - end
-            out.segments += [Segment(begin, lr.started, "startup", lr.key, 0, lr.nodes), Segment(end, stop, "shutdown", lr.key, len(gens) - 1, lr.nodes)]
-            end = stop
-        out.allocated_s += end - begin
-        out.node_s += (end - begin) * max(len(lr.nodes), 1)
-        out.gpu_s += (end - begin) * max(len(lr.nodes), 1) * gpus_per_node
+    chain, before = _allocations(out, attempts, rec, seen, slurm_runs or {}, now, gpus_per_node)
     for i, (gen, att) in enumerate(chain):
         nxt = chain[i + 1][0] if i + 1 < len(chain) else None
         trained = next((g.start_step for g, _ in chain[i + 1:] if g.start_step is not None), None)
-        rec_kind = (gen.end_record or {}).get("kind") or "failure"
-        last_of_launch = nxt is None or nxt.launch is not gen.launch
-        if gen.restarted:
-            failed, kind, where = True, rec_kind, "in place"
-        elif last_of_launch and nxt is not None:  # SLURM ended the launch (preempted, a node lost, ...) and another took over
-            failed, kind, where = True, (att or {}).get("failure") or (rec_kind if gen.end_record else "requeue"), "requeue"
-        elif gen.end_record is not None or (att or {}).get("failure"):  # the task's last launch failed: nothing took over
-            failed, kind, where = True, (att or {}).get("failure") or rec_kind, "not recovered"
-        else:
-            failed, kind, where = False, "", ""
+        failed, kind, where = _how_it_ended(gen, nxt, att)
         fault = account(out, gen, trained if where != "not recovered" else None, failed, kind, where, out.step_time_s)
         if fault is None:
             continue
@@ -328,6 +333,54 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
                     before.get(nxt.launch.key, 0.0) if nxt.number == 0 else 0.0)
                 fault.lost_s["checkpoint_load"] = nxt.load_s
         out.faults.append(fault)
+    _account_queueing(out, attempts, seen)
+    out.seconds["unattributed"] = out.allocated_s - sum(v for k, v in out.seconds.items() if k != "unattributed")
+    out.segments.sort(key=lambda seg: seg.start)
+    return out
+
+
+def _allocations(out: TaskGoodput, attempts: list[dict], rec: TaskRecords, seen: dict, slurm_runs: dict, now: float,
+                 gpus_per_node: int) -> tuple[list[tuple[_Gen, dict | None]], dict[str, float]]:
+    """Every launch's allocation into ``out``; its generations in order, each with its
+    attempt's row, and launch -> SLURM's time before its agents started (the batch script's)."""
+    by_launch = {a.get("launch"): a for a in attempts if a.get("launch")}
+    chain: list[tuple[_Gen, dict | None]] = []
+    before: dict[str, float] = {}
+    for i, lr in enumerate(rec.launches):
+        att = by_launch.get(lr.key)
+        end = _launch_end(lr, att, seen, rec.launches[i + 1] if i + 1 < len(rec.launches) else None, now)
+        gens = _generations(lr, end, rec)
+        chain += [(g, att) for g in gens]
+        begin = lr.started
+        if (span := _slurm_span(lr, end, slurm_runs, now)) is not None:
+            out.slurm_runs += 1
+            begin, stop = span
+            before[lr.key] = lr.started - begin
+            out.seconds["startup"] += lr.started - begin
+            out.seconds["shutdown"] += stop - end
+            out.segments += [Segment(begin, lr.started, "startup", lr.key, 0, lr.nodes), Segment(end, stop, "shutdown", lr.key, len(gens) - 1, lr.nodes)]
+            end = stop
+        out.allocated_s += end - begin
+        out.node_s += (end - begin) * max(len(lr.nodes), 1)
+        out.gpu_s += (end - begin) * max(len(lr.nodes), 1) * gpus_per_node
+    return chain, before
+
+
+def _how_it_ended(gen: _Gen, nxt: _Gen | None, att: dict | None) -> tuple[bool, str, str]:
+    """(failed, failure kind, where it was recovered) of a generation, ``nxt`` the one after it."""
+    rec_kind = (gen.end_record or {}).get("kind") or "failure"
+    last_of_launch = nxt is None or nxt.launch is not gen.launch
+    if gen.restarted:
+        return True, rec_kind, "in place"
+    if last_of_launch and nxt is not None:  # SLURM ended the launch (preempted, a node lost, ...) and another took over
+        return True, (att or {}).get("failure") or (rec_kind if gen.end_record else "requeue"), "requeue"
+    if gen.end_record is not None or (att or {}).get("failure"):  # the task's last launch failed: nothing took over
+        return True, (att or {}).get("failure") or rec_kind, "not recovered"
+    return False, "", ""
+
+
+def _account_queueing(out: TaskGoodput, attempts: list[dict], seen: dict) -> None:
+    """Time outside the allocations: queued before each attempt, and the watcher's noticing each end."""
     for prev, att in zip(attempts, attempts[1:]):
         if att.get("started_at") and prev.get("ended_at"):
             out.requeue_queued_s += max(att["started_at"] - prev["ended_at"], 0.0)
@@ -336,6 +389,3 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
     for a in attempts:
         if a.get("ended_at") and a.get("number") in seen:
             out.watcher_detection_s += max(seen[a["number"]] - a["ended_at"], 0.0)
-    out.seconds["unattributed"] = out.allocated_s - sum(v for k, v in out.seconds.items() if k != "unattributed")
-    out.segments.sort(key=lambda seg: seg.start)
-    return out

@@ -32,6 +32,31 @@ def expand(spec: Spec, raw: dict, lines: dict, source: str) -> list[TaskSpec]:
 
     The number of tasks is checked before any is made: a grid multiplies."""
     sweep = spec.sweep
+    _check_sweep(sweep, raw, lines, source)
+    base = copy.deepcopy(raw)
+    base.pop("sweep", None)
+    tasks: list[TaskSpec] = []
+    issues: list[SpecIssue] = []
+    for index, (params, point) in enumerate(_points(sweep)):
+        task_raw = copy.deepcopy(base)
+        for key, value in params.items():
+            set_path(task_raw, tuple(key.split(".")), value)
+        try:
+            task_spec = Spec.model_validate(task_raw)
+        except ValidationError as exc:
+            for issue in issues_from(exc, task_raw, {}, source):
+                where = _origin(issue.path, params, sweep, point)  # the entry to fix: its line (or its --set)
+                message = f"in sweep task {index} {_show(params)}: {issue.message}"
+                issues.append(yamlsrc.issue(lines, where or (), message, source, field=issue.path))
+            continue
+        tasks.append(TaskSpec(index, params, task_spec))
+    if issues:
+        raise SpecError(_dedupe(issues))
+    return tasks
+
+
+def _check_sweep(sweep, raw: dict, lines: dict, source: str) -> None:
+    """What the sweep may vary, and how much it makes, before any task is made."""
     issues: list[SpecIssue] = []
     for key in list(sweep.grid) + [k for p in sweep.points for k in p]:
         head = key.split(".", 1)[0]
@@ -64,32 +89,16 @@ def expand(spec: Spec, raw: dict, lines: dict, source: str) -> list[TaskSpec]:
             "split the sweep over several specs, or make the spec smaller", source)])
     _check_paths(sweep, raw, lines, source)
 
+
+def _points(sweep) -> list[tuple[dict, int | None]]:
+    """Each task's swept values (dotted path -> value), and the point it came from (None: the grid alone)."""
     grid_keys = list(sweep.grid)
     combos = [dict(zip(grid_keys, vals)) for vals in itertools.product(*(sweep.grid[k] for k in grid_keys))]
     points: list[tuple[dict, int | None]] = []
     for i, point in enumerate(sweep.points or [{}]):
         for combo in combos:
             points.append(({**point, **combo}, i if sweep.points else None))
-
-    base = copy.deepcopy(raw)
-    base.pop("sweep", None)
-    tasks: list[TaskSpec] = []
-    for index, (params, point) in enumerate(points):
-        task_raw = copy.deepcopy(base)
-        for key, value in params.items():
-            set_path(task_raw, tuple(key.split(".")), value)
-        try:
-            task_spec = Spec.model_validate(task_raw)
-        except ValidationError as exc:
-            for issue in issues_from(exc, task_raw, {}, source):
-                where = _origin(issue.path, params, sweep, point)  # the entry to fix: its line (or its --set)
-                message = f"in sweep task {index} {_show(params)}: {issue.message}"
-                issues.append(yamlsrc.issue(lines, where or (), message, source, field=issue.path))
-            continue
-        tasks.append(TaskSpec(index, params, task_spec))
-    if issues:
-        raise SpecError(_dedupe(issues))
-    return tasks
+    return points
 
 
 def task_count(sweep) -> int:

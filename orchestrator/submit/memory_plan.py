@@ -1,7 +1,8 @@
 """Per-GPU memory and communication of each engine for a spec, and a recommendation.
 
-The estimates are pure functions of the model's shape; only ``shape_of`` an entry-point
-model builds it once (lazily importing torch and train_entry) to count its parameters.
+The estimates are pure functions of the model's shape and the setting; both are read
+from a spec by ``memory_inputs`` (where an entry-point model is built once, lazily
+importing torch and train_entry, to count its parameters).
 
 Model states follow what each engine keeps (bytes per parameter, Ψ = parameters,
 N = data-parallel ranks, L = parameters of the largest layer):
@@ -44,6 +45,7 @@ attention scores' term under ``attn_implementation: sdpa`` (its kernels never st
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 GIB = 1024**3
 USABLE = 0.9  # of GPU memory: the rest is the CUDA context, allocator slack, buffers
@@ -186,67 +188,97 @@ def activations(shape: Shape, s: Setting) -> tuple[int | None, int | None]:
 
 def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
     """One candidate's figures; None when it does not apply (hybrid on one node, FSDP under QLoRA)."""
-    P, T, N, G = shape.all_params, shape.train_params, s.world, s.grad_accum
-    ring = (N - 1) / N if N > 1 else 0.0
-    mixed = s.precision != "fp32"
-    et = shape.trainable_bytes
-    opt = _adam_bytes(s.optimizer) * et // 4  # Adam's moments in the trainable parameters' dtype
     kind = c.engine["kind"]
-    act, act_ckpt = activations(shape, s)
-    inter = 0
     if kind == "ddp":
-        frozen = shape.frozen_bytes(cast_16bit=False)
-        params, grads, optim, working, offloaded = frozen + et * T, et * T, opt * T, 0, 0
-        comm = int(2 * et * T * ring)
+        states = _ddp_states(shape, s)
     elif kind == "fsdp":
-        sharding = c.engine["sharding"]
-        if (sharding == "hybrid" and s.nodes < 2) or shape.method == "qlora":
+        if (c.engine["sharding"] == "hybrid" and s.nodes < 2) or shape.method == "qlora":
             return None
-        shard_over = s.gpus_per_node if sharding == "hybrid" else N
-        e_p = 2 if mixed else shape.weight_bytes
-        frozen = shape.frozen_bytes(cast_16bit=False)
-        states = ((frozen + et * T) // shard_over, et * T // shard_over, opt * T // shard_over)
-        gathered = P if sharding == "shard_grad_op" else min(P, 2 * shape.unit)
-        unit_grads = shape.unit * T // P if P else 0  # a unit's share of what trains
-        working = gathered * e_p + 2 * unit_grads * 4  # unsharded params in use + one unit's unsharded grads
-        sring = (shard_over - 1) / shard_over if shard_over > 1 else 0.0
-        gathers = 1 if sharding == "shard_grad_op" else 2
-        comm = int(G * gathers * P * e_p * sring + T * 4 * sring)
-        if sharding == "hybrid":
-            inter = int(2 * (T // shard_over) * 4 * (s.nodes - 1) / s.nodes)
-            comm += inter
-        if c.engine.get("cpu_offload"):
-            params, grads, optim, offloaded = 0, 0, 0, sum(states)
-        else:
-            (params, grads, optim), offloaded = states, 0
-    else:  # deepspeed
-        stage = c.engine["stage"]
-        part = lambda nbytes, from_stage: nbytes * T // N if stage >= from_stage else nbytes * T  # noqa: E731
-        frozen = shape.frozen_bytes(cast_16bit=mixed)
-        if stage >= 3:  # ZeRO-3 partitions every parameter; 4-bit weights are counted whole
-            quant = int(shape.quantized * shape.quant_bits / 8)
-            frozen = (frozen - quant) // N + quant
-        if mixed:
-            params = part(2, 3) + frozen
-            grads = (0 if stage == 3 else part(2, 2)) + part(4, 1)
-            optim = part(4, 1) + part(_adam_bytes(s.optimizer), 1)
-        else:
-            params, grads, optim = part(et, 3) + frozen, part(et, 2), part(opt, 1)
-        working = 4 * shape.largest_layer if stage == 3 else 0
-        offloaded = 0
-        if c.engine.get("offload_optimizer", "none") != "none":  # ZeRO-Offload: gradients, master weights, moments
-            offloaded, grads, optim = grads + optim, 0, 0
-        if c.engine.get("offload_param", "none") != "none":
-            offloaded, params = offloaded + params, 0
-        e = 2 if mixed else et
-        per_micro = {0: 0, 1: 0, 2: T * e * ring, 3: (2 * P + T) * e * ring}[stage]
-        at_boundary = {0: 2 * T * e * ring, 1: 2 * T * e * ring, 2: T * e * ring, 3: 0}[stage]
-        comm = int(G * per_micro + at_boundary)
+        states = _fsdp_states(c.engine, shape, s)
+    else:
+        states = _deepspeed_states(c.engine, shape, s)
     if kind != "fsdp" and s.nodes > 1:
-        inter = comm  # flat rings cross node boundaries with all of it
-    return Estimate(
-        c.name, c.engine, params, grads, optim, working, act, act_ckpt, offloaded, comm, inter, c.offload_level
-    )
+        states = states._replace(inter=states.comm)  # flat rings cross node boundaries with all of it
+    act, act_ckpt = activations(shape, s)
+    return Estimate(c.name, c.engine, states.params, states.grads, states.optim, states.working, act, act_ckpt,
+                    states.offloaded, states.comm, states.inter, c.offload_level)
+
+
+class _States(NamedTuple):
+    """Bytes per device of one engine's model states, and its communication per step."""
+
+    params: int
+    grads: int
+    optim: int
+    working: int
+    offloaded: int
+    comm: int
+    inter: int = 0
+
+
+def _moments(shape: Shape, s: Setting) -> int:
+    """Bytes of optimizer state per trainable parameter: Adam's moments in the trainable parameters' dtype."""
+    return _adam_bytes(s.optimizer) * shape.trainable_bytes // 4
+
+
+def _ring(n: int) -> float:
+    """The share of the data each rank sends (and receives) in a ring collective over ``n`` ranks."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def _ddp_states(shape: Shape, s: Setting) -> _States:
+    T, et = shape.train_params, shape.trainable_bytes
+    frozen = shape.frozen_bytes(cast_16bit=False)
+    return _States(frozen + et * T, et * T, _moments(shape, s) * T, 0, 0, int(2 * et * T * _ring(s.world)))
+
+
+def _fsdp_states(engine: dict, shape: Shape, s: Setting) -> _States:
+    P, T, G, et = shape.all_params, shape.train_params, s.grad_accum, shape.trainable_bytes
+    sharding = engine["sharding"]
+    shard_over = s.gpus_per_node if sharding == "hybrid" else s.world
+    e_p = 2 if s.precision != "fp32" else shape.weight_bytes
+    frozen = shape.frozen_bytes(cast_16bit=False)
+    states = ((frozen + et * T) // shard_over, et * T // shard_over, _moments(shape, s) * T // shard_over)
+    gathered = P if sharding == "shard_grad_op" else min(P, 2 * shape.unit)
+    unit_grads = shape.unit * T // P if P else 0  # a unit's share of what trains
+    working = gathered * e_p + 2 * unit_grads * 4  # unsharded params in use + one unit's unsharded grads
+    sring = _ring(shard_over)
+    gathers = 1 if sharding == "shard_grad_op" else 2
+    comm = int(G * gathers * P * e_p * sring + T * 4 * sring)
+    inter = 0
+    if sharding == "hybrid":
+        inter = int(2 * (T // shard_over) * 4 * (s.nodes - 1) / s.nodes)
+        comm += inter
+    if engine.get("cpu_offload"):
+        return _States(0, 0, 0, working, sum(states), comm, inter)
+    return _States(*states, working, 0, comm, inter)
+
+
+def _deepspeed_states(engine: dict, shape: Shape, s: Setting) -> _States:
+    P, T, N, G, et = shape.all_params, shape.train_params, s.world, s.grad_accum, shape.trainable_bytes
+    mixed = s.precision != "fp32"
+    stage = engine["stage"]
+    part = lambda nbytes, from_stage: nbytes * T // N if stage >= from_stage else nbytes * T  # noqa: E731
+    frozen = shape.frozen_bytes(cast_16bit=mixed)
+    if stage >= 3:  # ZeRO-3 partitions every parameter; 4-bit weights are counted whole
+        quant = int(shape.quantized * shape.quant_bits / 8)
+        frozen = (frozen - quant) // N + quant
+    if mixed:
+        params = part(2, 3) + frozen
+        grads = (0 if stage == 3 else part(2, 2)) + part(4, 1)
+        optim = part(4, 1) + part(_adam_bytes(s.optimizer), 1)
+    else:
+        params, grads, optim = part(et, 3) + frozen, part(et, 2), part(_moments(shape, s), 1)
+    working = 4 * shape.largest_layer if stage == 3 else 0
+    offloaded = 0
+    if engine.get("offload_optimizer", "none") != "none":  # ZeRO-Offload: gradients, master weights, moments
+        offloaded, grads, optim = grads + optim, 0, 0
+    if engine.get("offload_param", "none") != "none":
+        offloaded, params = offloaded + params, 0
+    e, ring = (2 if mixed else et), _ring(N)
+    per_micro = {0: 0, 1: 0, 2: T * e * ring, 3: (2 * P + T) * e * ring}[stage]
+    at_boundary = {0: 2 * T * e * ring, 1: 2 * T * e * ring, 2: T * e * ring, 3: 0}[stage]
+    return _States(params, grads, optim, working, offloaded, int(G * per_micro + at_boundary))
 
 
 @dataclass
@@ -317,102 +349,3 @@ def human(n: int | None) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
-
-
-# ---------------------------------------------------------------- from a spec
-
-
-def shape_of(spec) -> Shape:
-    """The built-in model's shape from the spec; an entry point's by building its model once."""
-    m = spec.model
-    if m.kind == "gpt":
-        vocab = 256 if spec.data.kind == "text" else spec.data.vocab_size
-        return gpt_shape(vocab, m.seq_len, m.d_model, m.n_layer, m.n_head)
-    if m.kind in ("script", "command"):
-        from orchestrator.errors import UserError
-
-        raise UserError(f"model.kind {m.kind}: orchestrate plan cannot see the model inside a training {m.kind}")
-    if m.kind == "hf":
-        return hf_shape_of(spec)
-    from train_entry.engines.base import layer_units
-    from train_entry.models import build_workload
-
-    model = build_workload(m.model_dump(), spec.data.model_dump()).model
-    total = sum(p.numel() for p in model.parameters())
-    leaves = [sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules()]
-    units = [sum(p.numel() for p in u.parameters()) for u in layer_units(model)]
-    return Shape(total, max(leaves, default=total), max(units, default=total))
-
-
-def hf_shape_of(spec) -> Shape:
-    """A ``kind: hf`` model's shape: counted from its config on the meta device, the
-    adapters' parameters by peft (or from the targeted layers' shapes without it)."""
-    from orchestrator.errors import UserError
-    from orchestrator.submit import hf_shape
-
-    m = spec.model
-    try:
-        hs = hf_shape.shape_of_model(hf_shape.meta_model(m.path, m.gguf_file))
-        adapter = m.adapter
-        trainable, counted = None, "meta"
-        if adapter is not None:
-            trainable, how = hf_shape.lora_trainable(m.path, m.gguf_file, adapter.r, adapter.alpha, adapter.target_modules)
-            counted = f"meta, adapters by {how}"
-    except hf_shape.Unavailable as exc:
-        raise UserError(f"model.kind hf: orchestrate plan builds the model from its config and needs torch and "
-                        f"transformers here ({exc}): pip install 'orchestrate[hf]'") from None
-    except hf_shape.ModelError as exc:
-        raise UserError(f"model.path '{m.path}': {exc}") from None
-    method = "qlora" if m.qlora is not None else "lora" if m.lora is not None else "full"
-    e = hf_shape.torch_dtype_bytes(m.dtype)
-    act = None
-    if m.qlora is not None:
-        act = hf_shape.torch_dtype_bytes(m.qlora.compute_dtype)
-    dims = all((hs.layers, hs.d_model, hs.n_head, hs.vocab))  # what the activation estimate needs
-    return Shape(
-        params=hs.params,
-        largest_layer=hs.largest_layer,
-        unit=hs.unit,
-        layers=hs.layers if dims else None,
-        d_model=hs.d_model if dims else None,
-        n_head=hs.n_head if dims else None,
-        seq_len=spec.data.max_length if dims else None,
-        vocab=hs.vocab if dims else None,
-        trainable=trainable,
-        method=method,
-        weight_bytes=e,
-        trainable_bytes=e if adapter is None else 4,  # peft keeps adapters in fp32
-        quantized=hs.quantizable if method == "qlora" else 0,
-        quant_bits=hf_shape.QUANT_BITS[m.qlora.double_quant] if m.qlora is not None else 0.0,
-        activation_bytes=act,
-        fused_attention=m.attn_implementation == "sdpa",
-        counted_by=counted,
-    )
-
-
-def setting_of(spec, nodes: int | None = None, gpus_per_node: int | None = None, gpu_memory: int | None = None) -> Setting:
-    from orchestrator.spec.units import parse_memory_mb
-
-    r = spec.resources
-    if gpu_memory is None and r.gpu_memory:
-        gpu_memory = parse_memory_mb(r.gpu_memory) * 1024**2
-    return Setting(
-        nodes=nodes or r.nodes,
-        gpus_per_node=gpus_per_node or r.tasks_per_node,
-        gpu_memory=gpu_memory or None,  # 0 is no size (SLURM's "all of it"): figures only, no recommendation
-        micro_batch=spec.batch.micro_batch_size,
-        grad_accum=spec.batch.grad_accum,
-        precision=spec.engine.precision,
-        optimizer=spec.optimizer.name,
-    )
-
-
-def candidate_of(engine) -> str | None:
-    """The candidate that a spec's engine is (None for settings the plan does not list)."""
-    e = engine.model_dump()
-    for c in CANDIDATES:
-        if all(e.get(k) == v for k, v in c.engine.items()) and all(
-            e.get(k) in (None, "none", False) for k in ("offload_optimizer", "offload_param", "cpu_offload") if k not in c.engine
-        ):
-            return c.name
-    return None

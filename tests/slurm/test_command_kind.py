@@ -68,7 +68,7 @@ def test_a_bad_argv_is_refused_naming_the_field(home, tmp_path, argv, words):
 
 
 def test_the_agent_gives_each_rank_the_torchrun_variables_and_the_deepspeed_config(tmp_path):
-    from train_entry.agent.generation import command_argv, worker_env
+    from train_entry.agent.ranks import command_argv, worker_env
     from train_entry.env import NodeContext
 
     cfg = contract.TaskConfig.from_dict({

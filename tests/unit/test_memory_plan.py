@@ -170,7 +170,7 @@ def _hf_spec(tmp_path, model, **sets):
 
 def test_plan_of_an_hf_model_counts_states_for_what_trains(tiny_models, tmp_path):
     from orchestrator.submit import hf_shape
-    from orchestrator.submit.memory_plan import setting_of, shape_of
+    from orchestrator.submit.memory_inputs import setting_of, shape_of
 
     model = tiny_models[False]
     P = hf_shape.shape_of_model(hf_shape.meta_model(model)).params
@@ -208,7 +208,7 @@ def test_qlora_base_bytes_are_what_bitsandbytes_stores(tiny_models, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from orchestrator.submit.memory_plan import setting_of, shape_of
+    from orchestrator.submit.memory_inputs import setting_of, shape_of
 
     model = tiny_models[False]
     for dq in (True, False):

@@ -305,11 +305,11 @@ def test_mem_0_reaches_sbatch_as_0(tmp_path):
 
 
 def test_the_memory_plan_takes_0_as_unknown(tmp_path):
-    from orchestrator.submit import memory_plan as mp
+    from orchestrator.submit.memory_inputs import setting_of
 
     spec = loads(tmp_path, GOOD + "resources: {mem: '0', gpu_memory: 80G}\n")
-    assert mp.setting_of(spec).gpu_memory == 80 * 1024**3
-    assert mp.setting_of(spec, gpu_memory=0).gpu_memory is None  # no recommendation, figures only
+    assert setting_of(spec).gpu_memory == 80 * 1024**3
+    assert setting_of(spec, gpu_memory=0).gpu_memory is None  # no recommendation, figures only
 
 
 def test_plan_refuses_a_gpu_of_0_memory_and_absurd_sizes(tmp_path, home):

@@ -9,12 +9,13 @@ Keeping the ranks under our own agent is what lets a later restart happen inside
 allocation without going back to the queue.
 
 ``node``: one launch, its start and node records; ``generation``: one set of ranks,
-stopped and restarted in place together with the other nodes; ``requeue``: back into
+stopped and restarted in place together with the other nodes; ``ranks``: each rank's
+environment and argv, and the launch's exit code from theirs; ``requeue``: back into
 SLURM's queue after a save on the checkpoint signal; ``consolidation``: the job's last
 step, the final checkpoint's full weights, under a timeout.
 """
 
-from train_entry.agent.generation import launch_exit_code, worker_env
+from train_entry.agent.ranks import launch_exit_code, worker_env
 from train_entry.agent.node import node_main, submitit_entry
 
 __all__ = ["launch_exit_code", "node_main", "submitit_entry", "worker_env"]

@@ -77,41 +77,9 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
     ``hf``: write a Hugging Face folder (``consolidate.hf``); None: when the checkpoint holds
     ``hf.json``. ``base``: the base model folder, when it is no longer where ``hf.json`` says."""
     folder, out = Path(folder), Path(out)
-    if dtype not in DTYPES:
-        raise ConsolidateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
-    if fmt not in FORMATS:
-        raise ConsolidateError(f"--format {fmt}: use safetensors or torch")
-    if out.exists() and any(out.iterdir()):
-        raise ConsolidateError(f"--out {out} exists and is not empty; give a new folder")
-    if not os.path.lexists(folder / contract.MANIFEST):
-        raise ConsolidateError(f"{folder}: no {contract.MANIFEST}: not a committed checkpoint (see `orchestrate ckpt list`)")
-    problem = contract.verify_checkpoint(folder)  # the manifest checked, and every file it names inside the folder
-    if problem:
-        raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
-    manifest = contract.read_manifest(folder)
-    from train_entry.checkpoint import safeload  # torch
-
-    # every pickle of it within the allow-lists, the RNG states too: a checkpoint that holds code is not used
-    problem = safeload.first_problem(folder, safeload.unpickled_files(manifest))
-    if problem:
-        raise ConsolidateError(problem)
+    manifest = _checked_source(folder, out, dtype, fmt)
     started = time.time()
-    if hf is None:
-        hf = (folder / contract.HF_EXPORT).exists()
-    export = None
-    if hf:
-        from train_entry.consolidate import hf as hf_export  # transformers and peft: only for these checkpoints
-
-        if fmt != "safetensors":
-            raise ConsolidateError(f"--format {fmt}: a Hugging Face folder holds safetensors; for {fmt} files under the "
-                                   "checkpoint's own names, consolidate without the Hugging Face export (--no-hf)")
-        export = hf_export.prepare(folder, manifest, base)  # hf.json and the base folder checked before any tensor
-    elif base is not None:
-        raise ConsolidateError("--base is the base model folder of a Hugging Face export (--hf)")
-    if manifest.get("state_format") == trainer_export.STATE_FORMAT:  # a Trainer's own folder: copied, not read
-        export, reader = trainer_export.prepare(folder, fmt), None
-    else:
-        reader = open_reader(folder, manifest)
+    export, reader = _exporter(folder, manifest, fmt, hf, base)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -131,6 +99,49 @@ def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {**summary, "out": str(out), "seconds": round(time.time() - started, 2)}
+
+
+def _checked_source(folder: Path, out: Path, dtype: str, fmt: str) -> dict:
+    """The options, the output folder and the checkpoint checked before anything is read; its manifest."""
+    if dtype not in DTYPES:
+        raise ConsolidateError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    if fmt not in FORMATS:
+        raise ConsolidateError(f"--format {fmt}: use safetensors or torch")
+    if out.exists() and any(out.iterdir()):
+        raise ConsolidateError(f"--out {out} exists and is not empty; give a new folder")
+    if not os.path.lexists(folder / contract.MANIFEST):
+        raise ConsolidateError(f"{folder}: no {contract.MANIFEST}: not a committed checkpoint (see `orchestrate ckpt list`)")
+    problem = contract.verify_checkpoint(folder)  # the manifest checked, and every file it names inside the folder
+    if problem:
+        raise ConsolidateError(f"{folder}: {problem}; consolidate an older checkpoint (`orchestrate ckpt list`)")
+    manifest = contract.read_manifest(folder)
+    from train_entry.checkpoint import safeload  # torch
+
+    # every pickle of it within the allow-lists, the RNG states too: a checkpoint that holds code is not used
+    problem = safeload.first_problem(folder, safeload.unpickled_files(manifest))
+    if problem:
+        raise ConsolidateError(problem)
+    return manifest
+
+
+def _exporter(folder: Path, manifest: dict, fmt: str, hf: bool | None, base: str | os.PathLike | None):
+    """(what writes the output, None: the tensors under the checkpoint's own names; what reads
+    the checkpoint, None: a Trainer's own folder, copied rather than read)."""
+    if hf is None:
+        hf = (folder / contract.HF_EXPORT).exists()
+    export = None
+    if hf:
+        from train_entry.consolidate import hf as hf_export  # transformers and peft: only for these checkpoints
+
+        if fmt != "safetensors":
+            raise ConsolidateError(f"--format {fmt}: a Hugging Face folder holds safetensors; for {fmt} files under the "
+                                   "checkpoint's own names, consolidate without the Hugging Face export (--no-hf)")
+        export = hf_export.prepare(folder, manifest, base)  # hf.json and the base folder checked before any tensor
+    elif base is not None:
+        raise ConsolidateError("--base is the base model folder of a Hugging Face export (--hf)")
+    if manifest.get("state_format") == trainer_export.STATE_FORMAT:  # a Trainer's own folder: copied, not read
+        return trainer_export.prepare(folder, fmt), None
+    return export, open_reader(folder, manifest)
 
 
 def torch_dtype(name: str):
