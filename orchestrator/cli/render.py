@@ -103,7 +103,7 @@ def task_document(t: dict, mine: list[dict], now: float) -> dict:
 
 
 def status_document(ledger: Ledger, experiments: list[dict], now: float | None = None) -> dict:
-    """The `status --json` document (its format is documented in the README)."""
+    """The `status --json` document (its format is documented in docs/reference/status-json.md)."""
     now = time.time() if now is None else now
     out = []
     for exp in experiments:

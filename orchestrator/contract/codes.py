@@ -6,7 +6,7 @@ import enum
 
 
 class ExitCode(enum.IntEnum):
-    """Exit codes of the node agent and of each training process (documented in README)."""
+    """Exit codes of the node agent and of each training process (documented in docs/reference/run-folder.md)."""
 
     OK = 0
     USER_ERROR = 3  # the user's code or config raised: retrying the same thing fails again

@@ -260,7 +260,7 @@ def sbatch_extra(options: dict[str, str | int | bool]) -> dict[str, str | int | 
 
 # ------------------------------------------------------------------ the types the spec uses
 
-# Each wraps the whole field type, so the field's annotation (and the README's spec
+# Each wraps the whole field type, so the field's annotation (and the docs' spec
 # reference generated from it) stays the plain type.
 OptionalPartition = Annotated[str | None, AfterValidator(_optional(partition_list))]
 OptionalSlurmName = Annotated[str | None, AfterValidator(_optional(slurm_name))]

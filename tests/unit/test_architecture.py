@@ -48,7 +48,7 @@ def _modules(package: str) -> dict[str, pathlib.Path]:
 
 
 # The packages from the ground floor up (the same list, with what each holds, is
-# docs/architecture-order.md). A package may import only itself and the packages before it
+# docs/design/architecture.md, "Package order"). A package may import only itself and the packages before it
 # here: at module level, inside a function or under TYPE_CHECKING alike (a lazy import is for
 # start-up time, never a way around the order). Two packages importing each other is then
 # always one import upward. A top-level module (errors.py) is a package of its own here;
@@ -135,7 +135,7 @@ def _first_party_imports(module: str, path: pathlib.Path, known: set[str]) -> li
 def test_every_package_has_a_place_in_the_order():
     packages = {_package_of(m) for m in _all_modules()}
     missing = sorted(packages - set(LAYERS))
-    assert not missing, f"add each package to LAYERS (and docs/architecture-order.md), above what it imports: {missing}"
+    assert not missing, f"add each package to LAYERS (and the Package order of docs/design/architecture.md), above what it imports: {missing}"
     assert not set(LAYERS) - packages, f"LAYERS names packages that are gone: {sorted(set(LAYERS) - packages)}"
     assert len(set(LAYERS)) == len(LAYERS)
 

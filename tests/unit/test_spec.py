@@ -127,8 +127,13 @@ def test_schema_is_json_schema_of_every_field(home):
     assert {"model", "engine", "resources", "sweep", "checkpoint", "retry", "heartbeat"} <= set(schema["properties"])
 
 
-def test_readme_spec_reference_is_current():
+def test_docs_spec_reference_is_current():
     from conftest import REPO
-    from orchestrator.spec.reference import markdown_reference
+    from orchestrator.spec.reference import BEGIN, END, markdown_reference
 
-    assert markdown_reference() in (REPO / "README.md").read_text(), "regenerate with `orchestrate schema --markdown`"
+    text = (REPO / "docs" / "reference" / "spec.md").read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "the generated block's markers are gone"
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    assert block == markdown_reference(), "regenerate with scripts/regen-docs-reference"
+    # every field of the spec has its row
+    assert block.count("\n| `") > 100 and "| `name` | str | **required** |" in block
