@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from orchestrator.errors import SpecIssue
 from orchestrator.spec import yamlsrc
 from orchestrator.spec.experiment import Spec
-from orchestrator.spec.strict import FieldError
+from orchestrator.spec.strict import FieldError, models_in
 
 
 # values an error never repeats: whoever reads them can use them (a webhook URL posts to its channel)
@@ -90,7 +90,7 @@ def _kinds(model: type[BaseModel], seen: set) -> set[str]:
     """The `kind` tags of every union variant under ``model``."""
     out: set[str] = set()
     for field in model.model_fields.values():
-        for sub in _models_in(field.annotation):
+        for sub in models_in(field.annotation):
             if sub not in seen:
                 seen.add(sub)
                 kind = sub.model_fields.get("kind")
@@ -98,12 +98,6 @@ def _kinds(model: type[BaseModel], seen: set) -> set[str]:
                     out.update(a for a in typing.get_args(kind.annotation) if isinstance(a, str))
                 out |= _kinds(sub, seen)
     return out
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 _TAGS = _kinds(Spec, set())

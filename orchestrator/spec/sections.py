@@ -1,20 +1,31 @@
 """The fixed-shape sections of a spec: resources, sweep, batch, optimizer, schedule,
 the policies (checkpoint, retry, heartbeat, logging) and notify.
 
-Apart from `sweep` and `notify`, each is mirrored field for field (defaults included) by a dataclass
-in ``orchestrator.contract.taskconfig``; ``tests/test_contract.py`` checks the two agree.
+Apart from `sweep` and `notify`, each is also a frozen dataclass on the compute side,
+``orchestrator.contract.sections``, generated from these models (``contractgen``; run
+``scripts/regen-contract-sections`` after changing a field). ``scope`` markers beside a field
+say which trainers honour it and how it reaches task.json.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from orchestrator.notify import TRIGGERS
 from orchestrator.notify.webhook import url_problem
 from orchestrator.spec import slurmtext
+from orchestrator.spec.scope import (
+    INTEGRATIONS_ONLY,
+    LOGIN_SIDE,
+    TRAINER_AND_DEEPSPEED,
+    TRAINER_ONLY,
+    WITH_INTEGRATION,
+    Derived,
+    Resolved,
+)
 from orchestrator.spec.strict import (
     DAY_S,
     MAX_GLOBAL_BATCH,
@@ -35,7 +46,7 @@ class Optimizer(Strict):
     weight_decay: float = Field(0.0, ge=0, le=100, strict=True, description="Decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     momentum: float = Field(0.0, ge=0, lt=1, strict=True, description="SGD momentum.")
-    grad_clip: float | None = Field(
+    grad_clip: Annotated[float | None, TRAINER_AND_DEEPSPEED] = Field(
         1.0, gt=0, le=1e6, strict=True, description="Clip the global gradient norm to this; null: no clipping."
     )
 
@@ -62,10 +73,10 @@ class Schedule(Strict):
 
 class Batch(Strict):
     micro_batch_size: int = Field(8, ge=1, le=2**20, strict=True, description="Sequences per rank per forward pass.")
-    grad_accum: int | None = Field(
+    grad_accum: Annotated[int | None, Resolved("int", 1)] = Field(
         None, ge=1, le=2**20, strict=True, description="Micro-batches per optimizer step; null: from global_batch_size, else 1."
     )
-    global_batch_size: int | None = Field(
+    global_batch_size: Annotated[int | None, LOGIN_SIDE] = Field(
         None,
         ge=1,
         le=MAX_GLOBAL_BATCH,
@@ -103,34 +114,34 @@ class Resources(Strict):
     )
     cpus_per_task: int = Field(1, ge=1, le=4096, strict=True, description="CPU cores per rank.")
     gpus_per_task: int = Field(0, ge=0, strict=True, description="GPUs per rank (0 or 1 for one device per rank).")
-    mem: str | None = Field(
+    mem: Annotated[str | None, LOGIN_SIDE] = Field(
         None, description="Memory per node, SLURM syntax (`16G`; `0`: all of each node's memory); null: the partition default."
     )
-    gpu_memory: str | None = Field(
+    gpu_memory: Annotated[str | None, LOGIN_SIDE] = Field(
         None, description="Memory of one GPU (`80G`), for `orchestrate plan`'s recommendation; not sent to SLURM."
     )
-    time: str = Field("01:00:00", description="Time limit per task, SLURM syntax (`HH:MM:SS`, `D-HH:MM:SS`).")
-    partition: slurmtext.OptionalPartition = Field(None, description="SLURM partition.")
-    account: slurmtext.OptionalSlurmName = Field(None, description="SLURM account.")
-    qos: slurmtext.OptionalSlurmName = Field(None, description="SLURM QOS.")
-    constraint: slurmtext.OptionalConstraint = Field(None, description="SLURM node feature constraint.")
-    exclude: slurmtext.NodeNames = Field(default_factory=list, description="Nodes never to use.")
-    sbatch_extra: slurmtext.SbatchExtra = Field(
+    time: Annotated[str, LOGIN_SIDE] = Field("01:00:00", description="Time limit per task, SLURM syntax (`HH:MM:SS`, `D-HH:MM:SS`).")
+    partition: Annotated[slurmtext.OptionalPartition, LOGIN_SIDE] = Field(None, description="SLURM partition.")
+    account: Annotated[slurmtext.OptionalSlurmName, LOGIN_SIDE] = Field(None, description="SLURM account.")
+    qos: Annotated[slurmtext.OptionalSlurmName, LOGIN_SIDE] = Field(None, description="SLURM QOS.")
+    constraint: Annotated[slurmtext.OptionalConstraint, LOGIN_SIDE] = Field(None, description="SLURM node feature constraint.")
+    exclude: Annotated[slurmtext.NodeNames, LOGIN_SIDE] = Field(default_factory=list, description="Nodes never to use.")
+    sbatch_extra: Annotated[slurmtext.SbatchExtra, LOGIN_SIDE] = Field(
         default_factory=dict, description="Further sbatch options, `option: value` (`true` for a bare flag)."
     )
-    setup_templates: slurmtext.TemplateNames = Field(
+    setup_templates: Annotated[slurmtext.TemplateNames, LOGIN_SIDE] = Field(
         default_factory=list,
         description="Fragments from `templates/sbatch/` put in the batch script after `common.sh` "
         "(shipped: `nccl` for GPU nodes, `offline` for nodes without internet).",
     )
-    setup: slurmtext.ShellLines = Field(
+    setup: Annotated[slurmtext.ShellLines, LOGIN_SIDE] = Field(
         default_factory=list, description="Shell lines run before the trainer in the batch script (module loads, env activation)."
     )
-    srun_args: slurmtext.ArgvList = Field(
+    srun_args: Annotated[slurmtext.ArgvList, LOGIN_SIDE] = Field(
         default_factory=list,
         description="Extra `srun` arguments for the trainer step, e.g. container options (`--container-image=...`).",
     )
-    container: Container | None = Field(
+    container: Annotated[Container | None, LOGIN_SIDE] = Field(
         None,
         description="Run the node agents and ranks in a container (Apptainer/Singularity or pyxis). Without `scontrol` "
         "in the image, the watcher requeues saved jobs.",
@@ -211,12 +222,17 @@ class Sweep(Strict):
         return v
 
 
+_SHARD_BYTES = Derived("max_shard_bytes", "int", parse_bytes, "max_shard_size in bytes, computed by the planner")
+
+
 class Consolidate(Strict):
     """Full weights from the final checkpoint, written by the job once training is done."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of floating-point weights (fp32: the master weights as trained).")
     format: Literal["safetensors", "torch"] = Field("safetensors", description="`safetensors` shards plus index, or `torch` (`pytorch_model*.bin`).")
-    max_shard_size: str = Field("5GB", description="Largest output file, e.g. `5GB`, `500MB`; also about the memory it takes.")
+    max_shard_size: Annotated[str, _SHARD_BYTES] = Field(
+        "5GB", description="Largest output file, e.g. `5GB`, `500MB`; also about the memory it takes."
+    )
     timeout_min: float = Field(
         120, gt=0, le=YEAR_S / 60, strict=True, description="The consolidation step is stopped (and the task failed) after this long."
     )
@@ -236,22 +252,24 @@ class Consolidate(Strict):
 
 
 class Checkpoint(Strict):
-    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS, strict=True, description="Save every N optimizer steps.")
-    every_minutes: float | None = Field(
+    every_steps: Annotated[int | None, TRAINER_ONLY] = Field(
+        None, ge=1, le=MAX_STEPS, strict=True, description="Save every N optimizer steps."
+    )
+    every_minutes: Annotated[float | None, TRAINER_ONLY] = Field(
         None, gt=0, le=YEAR_S / 60, strict=True, description="Save when this much time passed since the last save."
     )
-    keep_last: int = Field(
+    keep_last: Annotated[int, WITH_INTEGRATION] = Field(
         2, ge=2, le=MAX_RETRIES, strict=True, description="Committed checkpoints kept; at least 2, since the newest may be damaged."
     )
-    async_save: bool = Field(
+    async_save: Annotated[bool, TRAINER_ONLY] = Field(
         False, description="Write DCP checkpoints (ddp, fsdp) in a background thread; training waits only for the copy."
     )
-    direct_io: bool = Field(
+    direct_io: Annotated[bool, TRAINER_ONLY] = Field(
         True,
         description="Write DCP shards around the page cache (O_DIRECT), hashed as they are written; where a filesystem "
         "has no O_DIRECT the page cache is used anyway. Turn off where a filesystem is faster through its cache.",
     )
-    verify: Literal["size", "sha256"] = Field(
+    verify: Annotated[Literal["size", "sha256"], WITH_INTEGRATION] = Field(
         "sha256", description="What resume checks before loading a checkpoint: file sizes, or also their sha256 (split over the ranks)."
     )
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP"] = Field(
@@ -264,13 +282,13 @@ class Checkpoint(Strict):
         strict=True,
         description="Seconds before the time limit that the signal comes; leave room for one step and one save.",
     )
-    resume_from: str | None = Field(
+    resume_from: Annotated[str | None, WITH_INTEGRATION] = Field(
         None,
         min_length=1,
         description="Where to start when the task has no checkpoint of its own: a committed checkpoint folder "
         "(`.../checkpoints/step-N`), or a `checkpoints` folder (its newest that verifies). It may come from another world size.",
     )
-    consolidate: Consolidate | None = Field(
+    consolidate: Annotated[Consolidate | None, WITH_INTEGRATION] = Field(
         None,
         description="When set, the last step is saved and the job then writes full weights from it into the task's "
         "`weights/` folder (as `orchestrate ckpt consolidate` does), recorded in the ledger; e.g. `{dtype: bf16}`.",
@@ -330,7 +348,7 @@ class Heartbeat(Strict):
     startup_timeout_s: float = Field(
         900.0, gt=0, le=DAY_S, strict=True, description="Allowed silence before the first step (loading, rendezvous)."
     )
-    save_timeout_s: float = Field(
+    save_timeout_s: Annotated[float, INTEGRATIONS_ONLY] = Field(
         1800.0,
         gt=0,
         le=DAY_S,
