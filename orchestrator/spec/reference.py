@@ -1,6 +1,8 @@
 """The spec reference as Markdown, generated from the models' field descriptions.
 
-The README embeds this output; a test keeps the two identical.
+A field's meaning ends with which trainers act on it, where not every model kind does
+(``scope.Honoured``, on the field or the section it is in). The README embeds this
+output; a test keeps the two identical.
 """
 
 from __future__ import annotations
@@ -11,19 +13,12 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from orchestrator.spec.experiment import Spec
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    out = []
-    for arg in typing.get_args(annotation):
-        out.extend(_models_in(arg))
-    return out
+from orchestrator.spec.scope import Honoured, marker
+from orchestrator.spec.strict import models_in
 
 
 def _type_name(annotation) -> str:
-    models = _models_in(annotation)
+    models = models_in(annotation)
     if models:
         return "mapping"
     text = str(annotation).replace("typing.", "")
@@ -33,30 +28,32 @@ def _type_name(annotation) -> str:
 
 
 def _default(field) -> str:
-    if field.default is not PydanticUndefined and not _models_in(field.annotation):
+    if field.default is not PydanticUndefined and not models_in(field.annotation):
         d = field.default
         if d is None:
             return "null"
         return f"`{d}`"
-    if field.default_factory is not None and not _models_in(field.annotation):
+    if field.default_factory is not None and not models_in(field.annotation):
         return f"`{field.default_factory()}`"
     if field.is_required():
         return "**required**"
     return ""
 
 
-def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+def rows(model: type[BaseModel], prefix: str = "", honoured: Honoured | None = None) -> list[tuple[str, str, str, str]]:
     out = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
-        out.append((path, _type_name(field.annotation), _default(field), (field.description or "").replace("|", "\\|")))
-        for sub in _models_in(field.annotation):
+        note = marker(field, Honoured, honoured)
+        meaning = " ".join(filter(None, [field.description, note and note.note]))
+        out.append((path, _type_name(field.annotation), _default(field), meaning.replace("|", "\\|")))
+        for sub in models_in(field.annotation):
             kind = sub.model_fields.get("kind")
             label = path
-            if kind is not None and len(_models_in(field.annotation)) > 1:
+            if kind is not None and len(models_in(field.annotation)) > 1:
                 tag = kind.default if isinstance(kind.default, str) else typing.get_args(kind.annotation)[0]
                 label = f"{path}[kind={tag}]"
-            out.extend(r for r in rows(sub, f"{label}.") if not r[0].endswith(".kind"))
+            out.extend(r for r in rows(sub, f"{label}.", note) if not r[0].endswith(".kind"))
     return out
 
 
