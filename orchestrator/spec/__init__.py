@@ -3,5 +3,6 @@
 base in ``strict``. Loading: ``load`` (YAML with line numbers via ``yamlsrc``, `--set`
 overrides), ``issues`` (errors pointed at the user's text), ``layers`` (site and user
 defaults under the spec, and where each value came from) with ``defaults`` (their
-files). Also sweep expansion (``sweep``), SLURM units (``units``) and the generated
-field reference (``reference``)."""
+files). Also sweep expansion (``sweep``), SLURM units (``units``), the generated
+field reference (``reference``), and the compute side's section dataclasses generated
+from the models (``contractgen``), both guided by the markers beside fields (``scope``)."""

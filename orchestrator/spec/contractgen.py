@@ -76,7 +76,7 @@ def _render_class(model: type[BaseModel], path: str, honoured: Honoured | None, 
         for sub in models_in(f.annotation):
             _render_class(sub, f"{path}.{name}", note, out, done)
         lines += _field_lines(name, f, note if note != honoured else None)
-        if (d := marker(f, Derived)) is not None:  # last, as before the spec wrote it
+        if (d := marker(f, Derived)) is not None:  # after the spec's own fields
             derived += [f"    # {d.note}", f"    {d.name}: {d.annotation} = {_literal(d.compute(f.default))}"]
     out.append("\n".join(lines + derived))
 
