@@ -2,8 +2,8 @@
 
 The login side validates the spec (pydantic) and writes ``task.json`` from it; the
 compute side reads it back through ``TaskConfig.load``, so that no module there
-spells a default again with ``.get(key, default)``. The defaults below are the
-spec's own: ``tests/unit/test_contract.py`` checks every one against the spec models.
+spells a default again with ``.get(key, default)``. The sections' dataclasses
+(``sections``) are generated from the spec's models, defaults included.
 
 The model, data and engine sections differ by ``kind`` and were validated by the
 spec; they cross as read-only mappings.
@@ -20,108 +20,31 @@ from typing import Any, Mapping
 from .files import read_json
 from .layout import PathLike, task_config_path
 from .records import CONTRACT_VERSION
+from .sections import (
+    SECTIONS,
+    Batch,
+    Checkpoint,
+    Consolidate,
+    Eval,
+    Heartbeat,
+    Logging,
+    Optimizer,
+    Resources,
+    Retry,
+    Schedule,
+)
+
+# the sections are re-exported: the compute side names them ``contract.taskconfig.Optimizer``
+__all__ = [
+    "Batch", "Checkpoint", "Consolidate", "Eval", "Heartbeat", "Logging", "Optimizer", "Resources", "Retry", "Schedule",
+    "TaskConfig", "TaskConfigError", "thaw",
+]
 
 
 class TaskConfigError(ValueError):
     """task.json is missing, of another contract version, or not what the spec writes."""
 
 
-@dataclass(frozen=True)
-class Resources:
-    nodes: int = 1
-    tasks_per_node: int = 1
-    cpus_per_task: int = 1
-    gpus_per_task: int = 0
-    share_with_group: bool = False
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    momentum: float = 0.0
-    grad_clip: float | None = 1.0
-
-
-@dataclass(frozen=True)
-class Schedule:
-    name: str = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-
-
-@dataclass(frozen=True)
-class Batch:
-    micro_batch_size: int = 8
-    grad_accum: int = 1  # the spec resolves null before task.json is written
-
-
-@dataclass(frozen=True)
-class Logging:
-    every_steps: int = 10
-
-
-@dataclass(frozen=True)
-class Consolidate:
-    dtype: str = "fp32"
-    format: str = "safetensors"
-    max_shard_size: str = "5GB"
-    timeout_min: float = 120
-    max_shard_bytes: int = 5 << 30  # max_shard_size in bytes, computed by the planner
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    every_steps: int | None = None
-    every_minutes: float | None = None
-    keep_last: int = 2
-    async_save: bool = False
-    direct_io: bool = True
-    verify: str = "sha256"
-    signal: str = "USR2"
-    signal_before_s: int = 120
-    resume_from: str | None = None
-    consolidate: Consolidate | None = None
-
-
-@dataclass(frozen=True)
-class Retry:
-    max_restarts: int = 3
-    max_recoveries: int = 3
-    max_requeues: int = 100
-    backoff_s: float = 30.0
-    backoff_max_s: float = 600.0
-    exclude_failed_nodes: bool = True
-    release_hold: bool = True
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    interval_s: float = 10.0
-    timeout_s: float | None = None
-    startup_timeout_s: float = 900.0
-    save_timeout_s: float = 1800.0
-
-
-@dataclass(frozen=True)
-class Eval:
-    every_steps: int | None = None
-    max_batches: int | None = None
-
-
-_SECTIONS = {
-    "resources": Resources,
-    "optimizer": Optimizer,
-    "schedule": Schedule,
-    "batch": Batch,
-    "logging": Logging,
-    "checkpoint": Checkpoint,
-    "retry": Retry,
-    "heartbeat": Heartbeat,
-    "eval": Eval,
-}
 _MAPPINGS = ("model", "data", "engine")
 
 
@@ -147,13 +70,16 @@ def _section(cls: type, raw: Any, where: str) -> Any:
         return cls()
     if not isinstance(raw, Mapping):
         raise TaskConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
     # the spec may hold more (login-side fields such as resources.partition); we take ours
-    kwargs = {k: v for k, v in raw.items() if k in names}
-    if cls is Checkpoint and kwargs.get("consolidate") is not None:
-        kwargs["consolidate"] = _section(Consolidate, kwargs["consolidate"], f"{where}.consolidate")
-    if cls is Optimizer and "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        value = raw[f.name]
+        if "section" in f.metadata and value is not None:  # a section inside this one
+            kwargs[f.name] = _section(f.metadata["section"], value, f"{where}.{f.name}")
+        else:
+            kwargs[f.name] = _frozen(value)  # optimizer.betas: a tuple
     return cls(**kwargs)
 
 
@@ -210,7 +136,7 @@ class TaskConfig:
             kwargs[key] = _frozen(value)
         if raw.get("deepspeed_config") is not None:
             kwargs["deepspeed_config"] = _frozen(raw["deepspeed_config"])
-        for key, section in _SECTIONS.items():
+        for key, section in SECTIONS.items():
             try:
                 kwargs[key] = _section(section, raw.get(key), key)
             except TypeError as exc:

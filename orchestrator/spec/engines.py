@@ -10,20 +10,21 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, Tag, field_validator, model_validator
 
+from orchestrator.spec.scope import TRAINER_AND_DEEPSPEED, TRAINER_ONLY
 from orchestrator.spec.strict import FieldError, Strict, kind_discriminator
 from orchestrator.spec.templates import check_overrides, deepspeed_names, load_deepspeed
 
 
 class _EngineCommon(Strict):
-    backend: Literal["auto", "gloo", "nccl"] = Field(
+    backend: Annotated[Literal["auto", "gloo", "nccl"], TRAINER_ONLY] = Field(
         "auto", description="Process group backend; `auto` is nccl with GPUs, gloo without."
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
+    precision: Annotated[Literal["fp32", "bf16", "fp16"], TRAINER_AND_DEEPSPEED] = Field(
         "fp32",
         description="`fp32`, `bf16` (mixed precision: bf16 compute, fp32 master weights and reductions) or "
         "`fp16` (deepspeed on GPUs only: it has dynamic loss scaling).",
     )
-    activation_checkpointing: bool = Field(
+    activation_checkpointing: Annotated[bool, TRAINER_ONLY] = Field(
         False, description="Recompute each transformer block in the backward pass instead of storing its activations."
     )
 
@@ -39,21 +40,23 @@ class DDPEngine(_EngineCommon):
     """PyTorch DistributedDataParallel: full replicas, gradients all-reduced."""
 
     kind: Literal["ddp"] = Field("ddp", description="`ddp`.")
-    find_unused_parameters: bool = Field(False, description="DDP's find_unused_parameters.")
+    find_unused_parameters: Annotated[bool, TRAINER_ONLY] = Field(False, description="DDP's find_unused_parameters.")
 
 
 class FSDPEngine(_EngineCommon):
     """PyTorch FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded."""
 
     kind: Literal["fsdp"] = Field(description="`fsdp`.")
-    sharding: Literal["full", "shard_grad_op", "hybrid"] = Field(
+    sharding: Annotated[Literal["full", "shard_grad_op", "hybrid"], TRAINER_ONLY] = Field(
         "full",
         description="`full`: parameters resharded after forward (ZeRO-3-like); `shard_grad_op`: kept gathered "
         "until backward ends (ZeRO-2-like, more memory, less communication); `hybrid`: full sharding within a "
         "node, replicas across nodes (2-D mesh).",
     )
-    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
-    wrap: list[str] = Field(
+    cpu_offload: Annotated[bool, TRAINER_ONLY] = Field(
+        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory."
+    )
+    wrap: Annotated[list[str], TRAINER_ONLY] = Field(
         default_factory=list,
         description="Class names of the submodules sharded as one unit each; empty: the items of the model's ModuleLists "
         "(the transformer blocks).",
@@ -72,14 +75,20 @@ class DeepSpeedEngine(_EngineCommon):
     """DeepSpeed ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) partitioned."""
 
     kind: Literal["deepspeed"] = Field(description="`deepspeed`.")
-    stage: int = Field(2, ge=0, le=3, strict=True, description="ZeRO stage 0-3.")
-    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+    stage: Annotated[int, TRAINER_AND_DEEPSPEED] = Field(2, ge=0, le=3, strict=True, description="ZeRO stage 0-3.")
+    offload_optimizer: Annotated[Literal["none", "cpu", "nvme"], TRAINER_AND_DEEPSPEED] = Field(
         "none", description="Where optimizer state and the fp32 master weights live (ZeRO-Offload; stage 1-3)."
     )
-    offload_param: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameters live (stage 3 only).")
-    nvme_path: str | None = Field(None, min_length=1, description="A fast local folder for NVMe offload, on every node.")
-    template: str = Field("zero", description="DeepSpeed config template in `templates/deepspeed/` (without `.json`).")
-    config: dict[str, Any] = Field(
+    offload_param: Annotated[Literal["none", "cpu", "nvme"], TRAINER_AND_DEEPSPEED] = Field(
+        "none", description="Where parameters live (stage 3 only)."
+    )
+    nvme_path: Annotated[str | None, TRAINER_AND_DEEPSPEED] = Field(
+        None, min_length=1, description="A fast local folder for NVMe offload, on every node."
+    )
+    template: Annotated[str, TRAINER_AND_DEEPSPEED] = Field(
+        "zero", description="DeepSpeed config template in `templates/deepspeed/` (without `.json`)."
+    )
+    config: Annotated[dict[str, Any], TRAINER_AND_DEEPSPEED] = Field(
         default_factory=dict,
         description="DeepSpeed config entries merged over the template (tuning knobs such as `zero_optimization."
         "reduce_bucket_size`). Batch sizes, stage, precision, clipping and the optimizer come from the spec.",

@@ -1,30 +1,21 @@
 """The whole spec of one experiment (`Spec`): its sections and the checks across them.
 
-Sections live in ``workload``, ``engines`` and ``sections``; loading in ``load``.
+Sections live in ``workload``, ``engines``, ``sections`` and ``policies``; loading in ``load``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
 from orchestrator.spec import slurmtext
 from orchestrator.spec.engines import DDPEngine, EngineSpec
 from orchestrator.spec.hf import Eval
-from orchestrator.spec.sections import (
-    Batch,
-    Checkpoint,
-    Heartbeat,
-    Logging,
-    Notify,
-    Optimizer,
-    Resources,
-    Retry,
-    Schedule,
-    Sweep,
-)
+from orchestrator.spec.policies import Checkpoint, Heartbeat, Logging, Notify, Retry
+from orchestrator.spec.scope import LOGIN_SIDE, TRAINER_AND_DEEPSPEED, TRAINER_ONLY
+from orchestrator.spec.sections import Batch, Optimizer, Resources, Schedule, Sweep
 from orchestrator.spec.strict import MAX_GLOBAL_BATCH, MAX_SEED, MAX_STEPS, FieldError, Strict
 from orchestrator.spec.workload import DataSpec, GPTModel, ModelSpec, SyntheticData
 
@@ -37,22 +28,28 @@ class Spec(Strict):
         None, description="Where run folders are created; relative to the current directory. Default: `$ORCHESTRATE_HOME/runs`."
     )
     model: ModelSpec = Field(default_factory=GPTModel, description="The model: `kind: gpt`, `hf`, `entrypoint` or `script`.")
-    data: DataSpec = Field(default_factory=SyntheticData, description="The data: `kind: synthetic`, `text` or `jsonl`.")
+    data: Annotated[DataSpec, TRAINER_ONLY] = Field(
+        default_factory=SyntheticData, description="The data: `kind: synthetic`, `text` or `jsonl`."
+    )
     engine: EngineSpec = Field(default_factory=DDPEngine, description="The parallelism engine.")
-    optimizer: Optimizer = Field(default_factory=Optimizer, description="Optimizer.")
-    schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate schedule.")
-    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="Seed of initialisation and data order.")
-    batch: Batch = Field(default_factory=Batch, description="Batch sizes.")
-    steps: int = Field(ge=1, le=MAX_STEPS, strict=True, description="Optimizer steps to train.")
+    optimizer: Annotated[Optimizer, TRAINER_ONLY] = Field(default_factory=Optimizer, description="Optimizer.")
+    schedule: Annotated[Schedule, TRAINER_ONLY] = Field(default_factory=Schedule, description="Learning-rate schedule.")
+    seed: Annotated[int, TRAINER_ONLY] = Field(0, ge=0, le=MAX_SEED, strict=True, description="Seed of initialisation and data order.")
+    batch: Annotated[Batch, TRAINER_AND_DEEPSPEED] = Field(default_factory=Batch, description="Batch sizes.")
+    steps: Annotated[int, TRAINER_ONLY] = Field(ge=1, le=MAX_STEPS, strict=True, description="Optimizer steps to train.")
     resources: Resources = Field(default_factory=Resources, description="What each task asks the scheduler for.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the training processes.")
-    sweep: Sweep = Field(default_factory=Sweep, description="Sweep over any field except name, workdir, resources, notify, sweep.")
+    sweep: Annotated[Sweep, LOGIN_SIDE] = Field(
+        default_factory=Sweep, description="Sweep over any field except name, workdir, resources, notify, sweep."
+    )
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint policy.")
     retry: Retry = Field(default_factory=Retry, description="Retry policy.")
     heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="Heartbeats and hang detection.")
-    logging: Logging = Field(default_factory=Logging, description="Metric logging.")
-    eval: Eval = Field(default_factory=Eval, description="Evaluation on the held-out split (`data.eval_path` or `eval_fraction`).")
-    notify: Notify | None = Field(
+    logging: Annotated[Logging, TRAINER_ONLY] = Field(default_factory=Logging, description="Metric logging.")
+    eval: Annotated[Eval, TRAINER_ONLY] = Field(
+        default_factory=Eval, description="Evaluation on the held-out split (`data.eval_path` or `eval_fraction`)."
+    )
+    notify: Annotated[Notify | None, LOGIN_SIDE] = Field(
         None, description="Notifications of failures, recoveries, completion and what needs attention (webhook, SLURM mail); null: none."
     )
 

@@ -10,13 +10,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.errors import SpecIssue
-from orchestrator.spec import yamlsrc
+from orchestrator.spec import shown, yamlsrc
 from orchestrator.spec.experiment import Spec
-from orchestrator.spec.strict import FieldError
+from orchestrator.spec.strict import FieldError, models_in
 
 
 # values an error never repeats: whoever reads them can use them (a webhook URL posts to its channel)
-SECRET_PATHS = yamlsrc.SECRET_PATHS
+SECRET_PATHS = shown.SECRET_PATHS
 
 
 def issues_from(exc: ValidationError, raw: Any, lines: dict, source: str, set_paths=None) -> list[SpecIssue]:
@@ -49,8 +49,8 @@ def issues_of(errors: list[dict], raw: Any, lines: dict, source: str, set_paths=
             ctx = err.get("ctx", {})
             msg = f"unknown kind {ctx.get('tag')!r}; valid kinds: {ctx.get('expected_tags')}"
         if err["type"] not in ("missing", "extra_forbidden", "union_tag_invalid") and "input" in err and not isinstance(err["input"], (dict, list)) \
-                and not yamlsrc.is_secret(path):
-            got = yamlsrc.shorten(err["input"])
+                and not shown.is_secret(path):
+            got = shown.shorten(err["input"])
             if not (isinstance(err["input"], str) and got[:20] in msg):  # a message quoting the text says it
                 msg += f" (got {got})"
         issues.append(yamlsrc.issue(lines, path, msg, source))
@@ -62,7 +62,7 @@ def _with_overrides(lines: dict, set_paths) -> yamlsrc.LineMap:
     out.overrides.update(getattr(lines, "overrides", {}))
     out.defaults.update(getattr(lines, "defaults", {}))
     for p in set_paths:
-        out.overrides.setdefault(tuple(p), set_paths[p] if isinstance(set_paths, dict) else yamlsrc.dotted(p))
+        out.overrides.setdefault(tuple(p), set_paths[p] if isinstance(set_paths, dict) else shown.dotted(p))
     return out
 
 
@@ -90,7 +90,7 @@ def _kinds(model: type[BaseModel], seen: set) -> set[str]:
     """The `kind` tags of every union variant under ``model``."""
     out: set[str] = set()
     for field in model.model_fields.values():
-        for sub in _models_in(field.annotation):
+        for sub in models_in(field.annotation):
             if sub not in seen:
                 seen.add(sub)
                 kind = sub.model_fields.get("kind")
@@ -98,12 +98,6 @@ def _kinds(model: type[BaseModel], seen: set) -> set[str]:
                     out.update(a for a in typing.get_args(kind.annotation) if isinstance(a, str))
                 out |= _kinds(sub, seen)
     return out
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 _TAGS = _kinds(Spec, set())

@@ -17,10 +17,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.errors import SpecIssue
-from orchestrator.spec import yamlsrc
+from orchestrator.spec import shown, yamlsrc
 from orchestrator.spec.experiment import Spec
 from orchestrator.spec.issues import issues_of
-from orchestrator.spec.sections import Heartbeat, Resources, Retry
+from orchestrator.spec.policies import Heartbeat, Retry
+from orchestrator.spec.sections import Resources
 
 Path_ = yamlsrc.Path_
 
@@ -81,8 +82,8 @@ def _key_issues(layer: Layer) -> list[SpecIssue]:
             allowed = f"it may set {', '.join(ALLOWED)}"
         else:
             allowed = f"under {path[0]} it may set {', '.join(ALLOWED[path[0]])}"
-        return SpecIssue(yamlsrc.dotted(path), yamlsrc.line_of(layer.lines, path),
-                         f"'{yamlsrc.dotted(path)}' is not allowed in a defaults file; {allowed}",
+        return SpecIssue(shown.dotted(path), yamlsrc.line_of(layer.lines, path),
+                         f"'{shown.dotted(path)}' is not allowed in a defaults file; {allowed}",
                          layer.file)
 
     issues = []
@@ -150,7 +151,7 @@ def explain(raw: dict, lines: dict, spec_file: str) -> list[dict]:
             layer, file, line = origin
         else:
             layer, file, line = "spec", spec_file, yamlsrc.line_of(lines, path)
-        rows.append({"field": yamlsrc.dotted(path), "value": json_value(value), "layer": layer, "file": file, "line": line})
+        rows.append({"field": shown.dotted(path), "value": json_value(value), "layer": layer, "file": file, "line": line})
 
     order = list(Spec.model_fields)  # the reference's order, not the first layer's
     for key in sorted(raw, key=lambda k: order.index(k) if k in order else len(order)):

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.errors import SpecError, SpecIssue, UserError
-from orchestrator.spec import yamlsrc
+from orchestrator.spec import shown, yamlsrc
 from orchestrator.spec.experiment import Spec
 from orchestrator.spec.issues import issues_from
 from orchestrator.spec.layers import Layer, layered
@@ -74,11 +74,11 @@ def apply_overrides(raw: dict, overrides: list[str], lines: dict | None = None) 
             path, value = parse_override(item)
             for earlier, other in done.items():
                 if earlier != path and (earlier[: len(path)] == path or path[: len(earlier)] == earlier):
-                    raise ValueError(f"conflicts with --set {yamlsrc.shown_item(other)}: one sets a field inside the "
+                    raise ValueError(f"conflicts with --set {shown.shown_item(other)}: one sets a field inside the "
                                      "other; give one of them")
             set_path(raw, path, value)
         except ValueError as exc:
-            issues.append(SpecIssue(_key_of(item), None, f"{exc} (in --set {yamlsrc.shown_item(item)})", "--set"))
+            issues.append(SpecIssue(_key_of(item), None, f"{exc} (in --set {shown.shown_item(item)})", "--set"))
             continue
         done[path] = item
         if lines is not None:
@@ -100,7 +100,7 @@ def parse_override(item: str) -> tuple[tuple, Any]:
         raise ValueError("the field path has a control or non-printable character; use names joined by dots")
     path = tuple(part.strip() for part in key.strip().split("."))
     if not all(path):
-        raise ValueError(f"{yamlsrc.shorten(key.strip())} has an empty field name; use dots only between names")
+        raise ValueError(f"{shown.shorten(key.strip())} has an empty field name; use dots only between names")
     if len(path) >= yamlsrc.MAX_DEPTH:
         raise ValueError(f"{len(path)} levels of fields; at most {yamlsrc.MAX_DEPTH - 1}")
     if not value.strip():
@@ -144,9 +144,9 @@ def path_conflict(raw: dict, path: tuple) -> str | None:
         if nxt is None:
             return None  # made on the way
         if not isinstance(nxt, dict):
-            at = yamlsrc.dotted(path[: i + 1])
-            what = "a list (fields inside a list cannot be set one by one)" if isinstance(nxt, list) else yamlsrc.shorten(nxt)
-            return f"'{at}' is {what}, not a mapping, so '{yamlsrc.dotted(path)}' cannot be set inside it; set '{at}' as a whole"
+            at = shown.dotted(path[: i + 1])
+            what = "a list (fields inside a list cannot be set one by one)" if isinstance(nxt, list) else shown.shorten(nxt)
+            return f"'{at}' is {what}, not a mapping, so '{shown.dotted(path)}' cannot be set inside it; set '{at}' as a whole"
         cur = nxt
     return None
 

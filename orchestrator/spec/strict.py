@@ -6,6 +6,7 @@ Kept apart so the section modules depend on this one and never on each other.
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator
@@ -58,3 +59,10 @@ class FieldError(ValueError):
     def __init__(self, path: tuple, message: str):
         super().__init__(message)
         self.path = path
+
+
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's annotation holds: itself, or the variants of a union (``X | None``, `kind` unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in models_in(arg)]

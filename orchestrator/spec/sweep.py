@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.errors import SpecError, SpecIssue
-from orchestrator.spec import yamlsrc
+from orchestrator.spec import shown, yamlsrc
 from orchestrator.spec.experiment import UNSWEEPABLE, Spec
 from orchestrator.spec.issues import issues_from
 from orchestrator.spec.load import path_conflict, set_path
@@ -147,7 +147,7 @@ def _origin(path: str, params: dict, sweep, point: int | None) -> tuple | None:
 
 
 def _show(params: dict) -> str:
-    return "{" + ", ".join(f"{k}={yamlsrc.shorten(v, 40)}" for k, v in params.items()) + "}"
+    return "{" + ", ".join(f"{k}={shown.shorten(v, 40)}" for k, v in params.items()) + "}"
 
 
 def _dedupe(issues: list[SpecIssue]) -> list[SpecIssue]:

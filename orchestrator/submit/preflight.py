@@ -25,7 +25,7 @@ from pathlib import Path
 
 from orchestrator.contract import chatdata
 from orchestrator.errors import SpecError, SpecIssue
-from orchestrator.spec import yamlsrc
+from orchestrator.spec import shown, yamlsrc
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def check(plan, lines: dict, source: str) -> None:
     for field, message in problems:  # a sweep repeats the same problem in every task
         if (field, message) not in seen:
             seen.add((field, message))
-            issues.append(SpecIssue(yamlsrc.dotted(field), yamlsrc.line_of(lines, field), message, source))
+            issues.append(SpecIssue(shown.dotted(field), yamlsrc.line_of(lines, field), message, source))
     if issues:
         raise PreflightError(issues)
 

@@ -16,7 +16,7 @@ from orchestrator.ledger import Ledger
 from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
 from orchestrator.scheduler.request import Plan
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
-from orchestrator.spec import defaults, yamlsrc
+from orchestrator.spec import defaults, shown, yamlsrc
 from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
@@ -77,9 +77,9 @@ def _local_path(here: Path, text: str) -> Path:
 def _blame_overrides(issue: SpecIssue, lines: dict) -> SpecIssue:
     """A preflight issue about a field a `--set` item wrote, moved onto `--set`."""
     for path, item in getattr(lines, "overrides", {}).items():
-        field = yamlsrc.dotted(path)
+        field = shown.dotted(path)
         if issue.path == field or issue.path.startswith((field + ".", field + "[")):
-            return SpecIssue(issue.path, None, f"{issue.message} (from --set {yamlsrc.shown_item(item)})", "--set")
+            return SpecIssue(issue.path, None, f"{issue.message} (from --set {shown.shown_item(item)})", "--set")
     return issue
 
 

@@ -60,30 +60,41 @@ def test_ports_differ_between_jobs_and_generations():
     assert contract.derive_port("1234_5") != contract.derive_port("1234_5", generation=1)
 
 
-def test_task_config_defaults_are_the_specs():
-    """TaskConfig spells each default once; it must be the spec's own."""
+def test_contract_sections_are_generated_from_the_current_spec():
+    """The compute side's section dataclasses are the spec's fields, written once in the spec:
+    regenerate with scripts/regen-contract-sections after changing one."""
     import dataclasses
 
-    from orchestrator.contract import taskconfig as tc
+    from conftest import REPO
+    from orchestrator.contract import sections as tc
+    from orchestrator.contract.taskconfig import TaskConfig
     from orchestrator.spec import hf as spec_hf
-    from orchestrator.spec import sections as spec
+    from orchestrator.spec import policies, sections
+    from orchestrator.spec.contractgen import TARGET, render
 
+    assert (REPO / TARGET).read_text() == render(), "regenerate with scripts/regen-contract-sections"
+    # every section of task.json is a field of TaskConfig, of its class
+    declared = {f.name: f.type for f in dataclasses.fields(TaskConfig)}
+    assert {name: declared.get(name) for name in tc.SECTIONS} == {name: cls.__name__ for name, cls in tc.SECTIONS.items()}
     pairs = {
-        tc.Resources: spec.Resources, tc.Optimizer: spec.Optimizer, tc.Schedule: spec.Schedule, tc.Batch: spec.Batch,
-        tc.Logging: spec.Logging, tc.Checkpoint: spec.Checkpoint, tc.Retry: spec.Retry, tc.Heartbeat: spec.Heartbeat,
-        tc.Consolidate: spec.Consolidate, tc.Eval: spec_hf.Eval,
+        tc.Resources: sections.Resources, tc.Optimizer: sections.Optimizer, tc.Schedule: sections.Schedule,
+        tc.Batch: sections.Batch, tc.Logging: policies.Logging, tc.Checkpoint: policies.Checkpoint,
+        tc.Retry: policies.Retry, tc.Heartbeat: policies.Heartbeat, tc.Consolidate: policies.Consolidate, tc.Eval: spec_hf.Eval,
     }
     checked = 0
     for ours, theirs in pairs.items():
         for f in dataclasses.fields(ours):
-            if f.name not in theirs.model_fields:
-                continue  # computed by the planner (max_shard_bytes) or resolved (grad_accum)
+            if f.name in ("max_shard_bytes", "grad_accum"):
+                continue  # computed by the planner; resolved from null before task.json is written
             default = theirs.model_fields[f.name].get_default(call_default_factory=True)
-            if f.name == "grad_accum":
-                continue  # null in the spec, resolved before task.json is written
             assert f.default == default, f"{ours.__name__}.{f.name}: {f.default!r} != spec {default!r}"
             checked += 1
-    assert checked >= 30
+    assert checked >= 40
+    assert tc.Batch().grad_accum == 1 and tc.Consolidate().max_shard_bytes == 5 << 30
+    # what only the compute side reads crosses; the login side's fields stay behind
+    assert [f.name for f in dataclasses.fields(tc.Resources)] == [
+        "nodes", "tasks_per_node", "cpus_per_task", "gpus_per_task", "share_with_group"]
+    assert "global_batch_size" not in {f.name for f in dataclasses.fields(tc.Batch)}
 
 
 def test_task_config_round_trips_what_the_planner_writes(tmp_path):

@@ -127,6 +127,24 @@ def test_schema_is_json_schema_of_every_field(home):
     assert {"model", "engine", "resources", "sweep", "checkpoint", "retry", "heartbeat"} <= set(schema["properties"])
 
 
+def test_reference_says_which_trainers_act_on_a_field():
+    from orchestrator.spec.experiment import Spec
+    from orchestrator.spec.reference import rows
+
+    meaning = {path: m for path, _, _, m in rows(Spec)}
+    trainer = "*Built-in trainer only; a `script` or `command` model ignores it.*"
+    assert meaning["checkpoint.every_steps"].endswith(trainer)
+    assert meaning["schedule.warmup_steps"].endswith(trainer)  # from its section's marker
+    assert meaning["data[kind=jsonl].path"].endswith(trainer)
+    assert "a `command` without one ignores it" in meaning["checkpoint.keep_last"]
+    assert "a `command` without one ignores it" in meaning["checkpoint.consolidate.dtype"]
+    assert "not the built-in trainer" in meaning["heartbeat.save_timeout_s"]
+    assert "only in the DeepSpeed config" in meaning["optimizer.grad_clip"]  # its own, over the section's
+    assert "only in the DeepSpeed config" in meaning["batch.micro_batch_size"]
+    for every_kind in ("checkpoint.signal", "heartbeat.timeout_s", "retry.max_restarts", "resources.nodes", "env"):
+        assert "trainer" not in meaning[every_kind], every_kind
+
+
 def test_docs_spec_reference_is_current():
     from conftest import REPO
     from orchestrator.spec.reference import BEGIN, END, markdown_reference
