@@ -29,7 +29,7 @@ class _DropPrefix(logging.Filter):
         self.prefix = prefix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        return not record.getMessage().startswith(self.prefix)
 
 
 def drop_bitsandbytes_kernel_warning() -> None:
