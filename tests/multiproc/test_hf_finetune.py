@@ -1,7 +1,7 @@
 """Fine-tuning a Hugging Face model (model kind hf, data kind jsonl) on every engine.
 
 The model is a tiny random Llama with a byte-level tokenizer (tests/hf/tiny.py), so each
-run takes seconds; the real pretrained model is tested in test_smollm2.py.
+run takes seconds; the real pretrained model is tested in test_quickstart.py.
 """
 
 from __future__ import annotations
@@ -106,6 +106,35 @@ def test_eval_split_is_deterministic_and_disjoint():
     a, b = split_eval(100, 0.2, seed=1), split_eval(100, 0.2, seed=1)
     assert a == b and len(a) == 20
     assert split_eval(100, 0.2, seed=2) != a
+
+
+def test_the_examples_batched_answers_are_the_one_at_a_time_answers(tiny_model):
+    from train_entry.examples import chat_task
+
+    model, tok = chat_task.load(str(tiny_model))
+    prompts = [r["messages"][:-1] for r in chat_task.records(7, seed=0, heldout=True)]  # prompts of different lengths
+    assert chat_task.answers(model, tok, prompts, max_new_tokens=8, batch=4) == chat_task.answers(model, tok, prompts, 8, batch=1)
+    assert tok.padding_side == tiny.tokenizer().padding_side  # put back as found
+
+
+def test_only_the_bitsandbytes_kernel_message_is_dropped():
+    import logging
+
+    from train_entry.hf import quiet
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger(quiet.BNB_CPU_LOGGER)
+    logger.addHandler(handler)
+    try:
+        quiet.drop_bitsandbytes_kernel_warning()
+        quiet.drop_bitsandbytes_kernel_warning()  # repeatable: one filter
+        logger.warning("%s: %s. Please make sure you already `pip install kernels`", quiet.BNB_KERNEL_MESSAGE, "No module named 'kernels'")
+        logger.warning("something else went wrong")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["something else went wrong"] and len(logger.filters) == 1
 
 
 # ---------------------------------------------------------------- training on every engine

@@ -21,8 +21,8 @@ heartbeat: {{interval_s: 1}}
 """
 
 
-def test_quickstart_trains_with_two_ranks_and_records_its_life(home):
-    out = cli("submit", "configs/quickstart.yaml", "--executor", "local", "--wait", "--json", "--set", "steps=200", home=home)
+def test_smoke_run_trains_with_two_ranks_and_records_its_life(home):
+    out = cli("submit", "configs/smoke.yaml", "--executor", "local", "--wait", "--json", "--set", "steps=200", home=home)
     assert out.returncode == 0, out.stderr
     exp = json.loads(out.stdout)["experiments"][0]
     (task,) = exp["tasks"]

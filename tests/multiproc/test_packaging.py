@@ -304,18 +304,18 @@ def test_the_installed_wheel_validates_plans_and_trains_outside_the_checkout(ins
         assert needle in out.stdout, f"{needle!r} not in the dry run:\n{_show(out)}"
     assert not (work / "home" / "runs").exists() or not any((work / "home" / "runs").iterdir()), "a dry run wrote a run folder"
 
-    # (c) the quickstart, made small, past its first committed checkpoint
-    quick = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    # (c) the smoke test, made small, past its first committed checkpoint
+    quick = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
     quick.update(steps=12, heartbeat={"interval_s": 1}, logging={"every_steps": 4})
     quick["checkpoint"] = {**quick.get("checkpoint", {}), "every_steps": 6}
     quick["schedule"] = {**quick.get("schedule", {}), "warmup_steps": 2}
-    qspec = work / "quickstart.yaml"
+    qspec = work / "smoke.yaml"
     qspec.write_text(yaml.safe_dump(quick, sort_keys=False))
     name = quick["name"]
     out = _orchestrate(venv, work, "submit", str(qspec), "--executor", "local", "--wait", timeout=600)
     if out.returncode != 0:
         logs = _orchestrate(venv, work, "logs", name, "--rank", "0")
-        raise AssertionError(f"the quickstart failed:\n{_show(out)}\n--- rank 0 log\n{logs.stdout[-6000:]}{logs.stderr[-2000:]}")
+        raise AssertionError(f"the smoke test failed:\n{_show(out)}\n--- rank 0 log\n{logs.stdout[-6000:]}{logs.stderr[-2000:]}")
 
     status = _orchestrate(venv, work, "status", name, "--json")
     assert status.returncode == 0, _show(status)

@@ -28,7 +28,7 @@ def sacct_states(job: str) -> dict:
 
 
 def test_two_nodes_by_two_ranks_trains_and_the_ledger_shows_both_nodes(slurm, home, tmp_path):
-    args = ["configs/quickstart.yaml", "--set", "steps=60", "--set", "resources.nodes=2", "--set", "heartbeat.interval_s=1",
+    args = ["configs/smoke.yaml", "--set", "steps=60", "--set", "resources.nodes=2", "--set", "heartbeat.interval_s=1",
             "--set", "checkpoint.consolidate={dtype: bf16}"]
     exp = submit_wait(home, *args)
     (task,) = exp["tasks"]
@@ -73,7 +73,7 @@ def test_a_sweep_is_one_array_job_with_every_task_completed(slurm, home):
 )
 def test_a_request_slurm_cannot_meet_is_refused_at_submit_and_nothing_is_kept(slurm, home, override, field):
     for extra in ([], ["--dry-run"]):
-        out = cli("submit", "configs/quickstart.yaml", "--executor", "slurm", "--set", override, *extra, home=home)
+        out = cli("submit", "configs/smoke.yaml", "--executor", "slurm", "--set", override, *extra, home=home)
         assert out.returncode == 3, out.stdout + out.stderr
         assert out.stderr.startswith("error: SLURM refuses the job array") and field in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
@@ -139,7 +139,7 @@ def test_the_watcher_runs_as_a_slurm_job_and_ends_with_its_experiment(slurm, hom
     # the compute nodes of the local cluster are this machine: its disk is the shared filesystem here.
     # Declared so, the ledger is in its network-filesystem mode (rollback journal, one writing host)
     monkeypatch.setenv("ORCHESTRATE_LEDGER_FS", "network")
-    exp_id = submit(home, "configs/quickstart.yaml", "--executor", "slurm", "--set", "steps=60", "--set", "heartbeat.interval_s=1")
+    exp_id = submit(home, "configs/smoke.yaml", "--executor", "slurm", "--set", "steps=60", "--set", "heartbeat.interval_s=1")
     out = cli("watch", exp_id, "--sbatch", "--interval", "1", "--time", "00:05:00", home=home)
     assert out.returncode == 0, out.stderr
     job = out.stdout.split("SLURM job ")[1].split(";")[0]

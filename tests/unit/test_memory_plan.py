@@ -86,14 +86,14 @@ def test_plan_command_text_and_json(home):
     big = ["--set", "model.d_model=4096", "--set", "model.n_layer=32", "--set", "model.n_head=32", "--set", "model.seq_len=2048",
            "--set", "data.vocab_size=32000", "--set", "batch.micro_batch_size=1", "--set", "engine.precision=bf16",
            "--set", "resources.tasks_per_node=8"]
-    out = cli("plan", "configs/quickstart.yaml", *big, "--gpu-memory", "40G", "--nodes", "4", "--json", home=home)
+    out = cli("plan", "configs/smoke.yaml", *big, "--gpu-memory", "40G", "--nodes", "4", "--json", home=home)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["setting"]["world_size"] == 32 and doc["spec_engine"] == "ddp"
     assert doc["recommendation"]["name"] == "zero3" and "cheapest that fits" in doc["recommendation"]["reason"]
-    text = cli("plan", "configs/quickstart.yaml", *big, "--gpu-memory", "40G", home=home)
+    text = cli("plan", "configs/smoke.yaml", *big, "--gpu-memory", "40G", home=home)
     assert text.returncode == 0 and "recommended: " in text.stdout and "zero3-offload-all" in text.stdout
-    bad = cli("plan", "configs/quickstart.yaml", "--gpu-memory", "lots", home=home)
+    bad = cli("plan", "configs/smoke.yaml", "--gpu-memory", "lots", home=home)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu-memory") and "Traceback" not in bad.stderr
     assert not (home / "ledger.db").exists()  # planning records nothing
 

@@ -115,7 +115,7 @@ def test_cli_validate_prints_all_errors_without_traceback(tmp_path, home):
 
 
 def test_cli_validate_accepts_the_shipped_configs(home):
-    for name in ("quickstart", "sweep"):
+    for name in ("smoke", "sweep"):
         out = cli("validate", f"configs/{name}.yaml", home=home)
         assert out.returncode == 0, out.stderr
 

@@ -143,6 +143,9 @@ class Export:
         return pairs
 
     def _adapter_config(self, adir: Path, pairs) -> None:
+        from train_entry.hf import quiet
+
+        quiet.drop_bitsandbytes_kernel_warning()  # peft imports bitsandbytes; nothing here is 4-bit
         import peft
 
         a = self.rec.adapter

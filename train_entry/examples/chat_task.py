@@ -72,40 +72,59 @@ def write(folder: str | Path, n_train: int = 400, n_heldout: int = 40, seed: int
     return paths
 
 
-def answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
-    """Greedy answers, one prompt at a time (no padding to get wrong)."""
+def answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int = 32, batch: int = 8) -> list[str]:
+    """Greedy answers, ``batch`` prompts at a time, padded on the left with the attention
+    mask keeping the padding out (the same answers as one at a time, several times faster
+    on a CPU: one pass over the weights serves the batch)."""
     import torch
 
     out = []
     model.eval()
-    for messages in prompts:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        with torch.no_grad():
-            gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        out.append(tokenizer.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        for i in range(0, len(prompts), batch):
+            texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts[i:i + batch]]
+            ids = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
+            with torch.no_grad():
+                gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            out += [tokenizer.decode(g[ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() for g in gen]
+    finally:
+        tokenizer.padding_side = side
     return out
+
+
+def read(data: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
 
 
 def score(model, tokenizer, data: str | Path) -> tuple[float, list[str]]:
     """Exact-match accuracy on the held-out records, and the answers given."""
-    recs = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
-    prompts = [r["messages"][:-1] for r in recs]
-    got = answers(model, tokenizer, prompts)
-    right = sum(g == r["messages"][-1]["content"] for g, r in zip(got, recs))
+    recs = read(data)
+    prompts, expected = [r["messages"][:-1] for r in recs], [r["messages"][-1]["content"] for r in recs]
+    # a few tokens past the longest right answer: enough to tell it from a longer wrong one
+    longest = max(len(tokenizer(e, add_special_tokens=False)["input_ids"]) for e in expected)
+    got = answers(model, tokenizer, prompts, max_new_tokens=longest + 4)
+    right = sum(g == e for g, e in zip(got, expected))
     return right / len(recs), got
 
 
 def load(model_dir: str, adapter: str | None = None):
+    from train_entry.hf import quiet
+
+    quiet.drop_bitsandbytes_kernel_warning()  # peft imports bitsandbytes; nothing here is 4-bit
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.logging.disable_progress_bar()  # a bar for a load of a second
     tok = AutoTokenizer.from_pretrained(adapter or model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter)
+        with quiet.peft_deprecation_off():
+            model = PeftModel.from_pretrained(model, adapter)
     return model, tok
 
 

@@ -20,16 +20,19 @@ import torch
 
 from orchestrator.contract import thaw
 from train_entry.errors import UserCodeError
+from train_entry.hf import quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _transformers():
+    quiet.drop_bitsandbytes_kernel_warning()  # before peft imports bitsandbytes
     try:
         import transformers
     except ImportError:
         raise UserCodeError("model.kind hf needs transformers and peft on the compute nodes: pip install 'orchestrate[hf]'") from None
     transformers.logging.set_verbosity_error()  # per-rank load chatter; errors still raise
+    transformers.logging.disable_progress_bar()  # a bar per rank, drawn with \r into the rank's log
     return transformers
 
 
@@ -113,7 +116,8 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
         lora = peft.LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
                                target_modules=list(adapter["target_modules"]), task_type="CAUSAL_LM")
         try:
-            model = peft.get_peft_model(model, lora)
+            with quiet.peft_deprecation_off():
+                model = peft.get_peft_model(model, lora)
         except ValueError as exc:  # a target module the model does not have
             raise UserCodeError(f"model.lora.target_modules: {exc}") from None
     model.train()
