@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 
-from train_entry.warm_rank import WORKER
 
 WARM_KINDS = ("gpt", "hf", "entrypoint")  # the models the built-in worker runs
 START_AFTER_S = 5.0  # after the generation started, at the latest (sooner once its ranks train): past their imports by then
