@@ -1,3 +1,4 @@
+import signal
 import subprocess
 
 import pytest
@@ -80,6 +81,21 @@ def test_an_unreadable_or_foreign_task_config_ends_the_agent_as_infrastructure(t
     contract.atomic_write_json(contract.task_config_path(tmp_path), {"contract": contract.CONTRACT_VERSION + 1})
     assert node_main(str(tmp_path)) == contract.ExitCode.INFRA_ERROR
     assert "contract version" in capsys.readouterr().err
+
+
+def test_a_cancel_during_the_save_on_the_signal_is_not_undone_by_a_requeue():
+    from train_entry.agent.generation import Flags
+    from train_entry.agent.requeue import cancelled_while_saving
+
+    def scontrol(state):
+        return lambda argv, **kw: subprocess.CompletedProcess(argv, 0, f"JobId=4242 JobState={state} Reason=None", "")
+
+    ctx, flags = env.node_context(SLURM), Flags()
+    assert not cancelled_while_saving(ctx, flags, scontrol("CANCELLED"))  # no SIGTERM: the save went on alone
+    flags.handler(signal.SIGTERM, None)
+    assert cancelled_while_saving(ctx, flags, scontrol("CANCELLED"))  # scancel: no requeue
+    assert not cancelled_while_saving(ctx, flags, scontrol("TIMEOUT"))  # the time limit's SIGTERM: requeue
+    assert not cancelled_while_saving(ctx, flags, scontrol("RUNNING"))
 
 
 def test_the_requeue_decision_names_its_cause_in_a_field():

@@ -138,6 +138,20 @@ def test_cancel_ends_waiting_tasks_at_once_and_a_job_submitted_meanwhile_is_canc
     assert queue.cancelled == ["102_0"] and ledger.attempts("e1", 2)[0]["job_id"] == "102_0"
 
 
+def test_cancel_between_a_requeue_and_the_job_running_again_cancels_the_job_and_ends_the_task(tmp_path):
+    # the CI failure: `orchestrate cancel` found the newest attempt REQUEUED (ended), cancelled
+    # nothing, and the time-limited job ran again for ever
+    ledger, queue = Ledger.memory(strict=True), Queue(limit=3)
+    experiment(ledger, tmp_path, 2, queue, submitted=2)
+    ledger.update_attempt("e1", 0, 1, "saved on the time limit signal", state=AttemptState.REQUEUED.value)
+    ledger.set_task_state("e1", 0, TaskState.RECOVERING, "requeued")
+    assert cancel.cancel(ledger, ledger.experiment("e1"), scheduler=queue) == [0, 1]
+    assert sorted(queue.cancelled) == ["101_0", "101_1"]
+    assert ledger.task("e1", 0)["state"] == TaskState.CANCELLED.value  # nothing runs to record its end
+    assert ledger.task("e1", 1)["state"] != TaskState.CANCELLED.value  # its running launch records it
+    assert "requeue" in [e for e in ledger.events("e1") if e["idx"] == 0][-1]["cause"]
+
+
 def test_submit_knows_a_watcher_of_every_experiment_from_its_lease():
     ledger = Ledger.memory()
     assert not watching_all(ledger)

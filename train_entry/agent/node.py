@@ -12,7 +12,7 @@ from orchestrator import contract
 from orchestrator.contract import ExitCode, perms
 
 from train_entry.agent.generation import Flags, Generation, Result
-from train_entry.agent.requeue import requeue
+from train_entry.agent.requeue import cancelled_while_saving, requeue
 from train_entry.agent.standby import Standbys
 from train_entry.env import NodeContext, node_context, rendezvous
 
@@ -41,6 +41,8 @@ def node_main(task_dir: str) -> int:
     if result is None:
         return ExitCode.INFRA_ERROR
     code, codes, first_failed = result
+    if code == ExitCode.REQUEUE and ctx.on_slurm and cancelled_while_saving(ctx, flags):
+        code = ExitCode.CANCELLED
     if code == ExitCode.OK and ctx.node_rank == 0 and cfg.checkpoint.consolidate:
         from train_entry.agent import consolidation
 

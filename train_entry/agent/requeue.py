@@ -59,6 +59,14 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
     return ExitCode.REQUEUE
 
 
+def cancelled_while_saving(ctx: NodeContext, flags: Flags, run=subprocess.run) -> bool:
+    """The ranks saved on the checkpoint signal, but a SIGTERM came meanwhile and SLURM
+    says the job was cancelled (scancel, `orchestrate cancel`): no requeue then, or it would
+    bring back a job its user stopped (`scontrol requeue` takes a cancelled job too). A
+    SIGTERM at the time limit (TIMEOUT) or the end of a preemption's grace still requeues."""
+    return flags.stopping() and scontrol_field("job", ctx.job_id, "JobState", run=run) == "CANCELLED"
+
+
 def requeue_decision(ctx: NodeContext, cfg: contract.TaskConfig, run=subprocess.run) -> dict:
     """``by``: who requeues (None: nobody, the limit is reached); ``cause``: a
     ``RequeueCause`` value, what the login side reads; ``reason``: words for people."""
