@@ -31,14 +31,16 @@ docs:
 	$(PYTHON) -m mkdocs build --strict --site-dir site
 
 # The tiers (tests/README.md): the unit tests on both cores at once (pytest-xdist), then the
-# multi-process and SLURM tiers one test at a time (each already uses both cores, and the
-# chaos tests time real faults). Each run prints its slowest tests at the end.
+# multi-process and SLURM tiers as two streams side by side: the SLURM tests one at a time on
+# one worker (one cluster), the multi-process files one at a time on the other (tests/conftest.py
+# groups them). Each run prints its slowest tests at the end.
 FAST := -m "not multiproc and not slurm"
+HEAVY := -m "multiproc or slurm" -n 2 --dist loadgroup
 
 test: install
 	scripts/slurm-local up
 	$(PYTHON) -m pytest -n 2 $(FAST)
-	$(PYTHON) -m pytest -m "multiproc or slurm"
+	$(PYTHON) -m pytest $(HEAVY)
 
 test-fast:
 	$(PYTHON) -m pytest -n 2 $(FAST)

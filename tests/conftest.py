@@ -58,7 +58,8 @@ def submit(home: Path, *args: str) -> str:
 
 
 def wait_experiment(home: Path, exp_id: str, states, timeout: float = 240) -> dict:
-    """Poll `status --json` until the experiment is in one of ``states``; its document."""
+    """Poll `status --json` until the experiment is in one of ``states``; its document. Every
+    3 s: each poll is a Python process (~0.5 s of a core) competing with the ranks."""
     deadline = time.time() + timeout
     while True:
         exp = status_json(home, exp_id)["experiments"][0]
@@ -66,7 +67,7 @@ def wait_experiment(home: Path, exp_id: str, states, timeout: float = 240) -> di
             return exp
         if time.time() > deadline:
             raise AssertionError(f"{exp_id} not in {states} after {timeout} s: {exp}")
-        time.sleep(1)
+        time.sleep(3)
 
 
 def free_port() -> int:
@@ -216,3 +217,19 @@ def pytest_collection_modifyitems(config, items):
             wrong.append(f"{item.nodeid} (marked {sorted(marks) or 'unit'}) is in tests/{folder or '.'}")
     if wrong:
         raise pytest.UsageError("tests in the wrong tier's folder:\n  " + "\n  ".join(wrong))
+    for item in items:  # for `-n 2 --dist loadgroup` (make test): see xdist_group_of
+        if (group := xdist_group_of(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def xdist_group_of(item) -> str | None:
+    """The heavy tiers share the two cores as two streams: every SLURM test in one (they
+    share one cluster, set its nodes DOWN, restart it), the multi-process tests file by file
+    in the other (a file's module fixture trains once). The SLURM tests wait on the
+    scheduler, signals and time limits for much of their time; the other stream uses it."""
+    marks = {m.name for m in item.iter_markers()}
+    if "slurm" in marks:
+        return "slurm"
+    if "multiproc" in marks:
+        return Path(str(item.fspath)).name
+    return None

@@ -21,6 +21,7 @@ RESTART_COUNT = "ORCHESTRATE_RESTART_COUNT"
 # tests and benchmarks only
 STRICT_TRANSITIONS = "ORCHESTRATE_STRICT_TRANSITIONS"  # 1: an illegal ledger state change raises
 REQUEUE_TAKE_S = "ORCHESTRATE_REQUEUE_TAKE_S"  # seconds before a requeue that did not take is given up (default 120)
+AGENT_ANSWER_S = "ORCHESTRATE_AGENT_ANSWER_S"  # seconds the node agents get to answer a hang's end record (default 60)
 FAULT_INJECT = "ORCHESTRATE_FAULT_INJECT"  # the watcher dies at a named point, as a killed one would
 FAULT_SLOW_SAVE_S = "ORCHESTRATE_FAULT_SLOW_SAVE_S"  # every checkpoint write takes this long more (a slow filesystem, still writing)
 FAULT_STALL_SAVE = "ORCHESTRATE_FAULT_STALL_SAVE"  # the save of this step stalls for good on rank 1 in the first launch's first generation

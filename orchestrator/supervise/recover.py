@@ -23,10 +23,19 @@ from orchestrator.supervise.recovery import RecoveryKind
 
 def requeue_take_s() -> float:
     """How long a requeue may take to show before it is given up (tests shorten it)."""
+    return _seconds(envvars.REQUEUE_TAKE_S, recovery.REQUEUE_TAKE_S)
+
+
+def agent_answer_s() -> float:
+    """How long the node agents get to answer a hang's end record (tests shorten it)."""
+    return _seconds(envvars.AGENT_ANSWER_S, recovery.AGENT_ANSWER_S)
+
+
+def _seconds(name: str, default: float) -> float:
     try:
-        return max(1.0, float(os.environ.get(envvars.REQUEUE_TAKE_S) or recovery.REQUEUE_TAKE_S))
+        return max(1.0, float(os.environ.get(name) or default))
     except ValueError:
-        return recovery.REQUEUE_TAKE_S
+        return default
 
 
 def failed_attempt(act: Acting, exp: dict, task: dict, attempts: list[dict], cfg: TaskConfig,

@@ -129,14 +129,14 @@ def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry, action
 AGENT_ANSWER_S = 60.0  # the agents stop (or dump and stop) their ranks within seconds of an end record
 
 
-def unanswered_for(asked_at: float, stopped: int, nodes: int, now: float) -> float | None:
+def unanswered_for(asked_at: float, stopped: int, nodes: int, now: float, answer_s: float = AGENT_ANSWER_S) -> float | None:
     """How long a generation's end record has gone unanswered, once that is past the
     agents' deadline (None: they answered, or may still). When some nodes stopped their
     ranks, the others get the agents' own stop barrier first: past it, the nodes that
     answered end the launch themselves and name the unresponsive ones."""
     if stopped >= nodes:
         return None
-    deadline = AGENT_ANSWER_S if stopped == 0 else STOP_BARRIER_S + AGENT_ANSWER_S
+    deadline = answer_s if stopped == 0 else STOP_BARRIER_S + answer_s
     age = now - asked_at
     return age if age > deadline else None
 

@@ -212,7 +212,8 @@ def ignoring_requeue(folder):
 
 @pytest.mark.parametrize("requeue", ["taken", "ignored"])
 def test_hung_agents_that_do_not_answer_are_escalated_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys, requeue):
-    env = ignoring_requeue(tmp_path / "bin") if requeue == "ignored" else None
+    # the agents' deadline shortened from 60 s: SIGSTOPped, they never answer, however long
+    env = {"ORCHESTRATE_AGENT_ANSWER_S": "15", **(ignoring_requeue(tmp_path / "bin") if requeue == "ignored" else {})}
     exp_id, tdir = start(home, tmp_path, watchers, "hungagents", timeout=", timeout_s: 4", watcher_env=env)
     wait_for_step(tdir, 250)
     ranks = [heartbeat(tdir, r)["pid"] for r in (0, 1)]
@@ -245,7 +246,7 @@ def test_hung_agents_that_do_not_answer_are_escalated_and_the_run_recovered(slur
     with capsys.disabled():
         print(f"\n[chaos] SIGSTOP of both agents and their ranks, requeue {requeue} -> escalated after "
               f"{escalated['time'] - stopped_at:.1f} s, training again after {resumed - stopped_at:.1f} s "
-              "(hang timeout 4 s, agents' deadline 60 s" + (", requeue given up after 20 s)" if env else ")"))
+              "(hang timeout 4 s, agents' deadline 15 s" + (", requeue given up after 20 s)" if requeue == "ignored" else ")"))
 
 
 def test_a_node_set_down_is_excluded_and_the_task_requeued_on_other_nodes(slurm, home, tmp_path, watchers, reference_loss):

@@ -167,7 +167,7 @@ def test_every_config_named_exists_and_validates(tmp_path, request):
     from orchestrator.cli.main import main
 
     configs = _configs_named()
-    assert "configs/quickstart.yaml" in configs and "configs/smollm2-lora-chat.yaml" in configs, sorted(configs)
+    assert "configs/smoke.yaml" in configs and "configs/smollm2-lora-chat.yaml" in configs, sorted(configs)
     for name, overrides in sorted(configs.items()):
         path = REPO / name
         assert path.is_file(), f"the docs name {name}, which does not exist"
