@@ -204,6 +204,7 @@ def restart_local_cluster(**variant: str) -> None:
 TIERS = {"unit": set(), "multiproc": {"multiproc"}, "slurm": {"multiproc", "slurm"}}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist names the groups from the markers added here
 def pytest_collection_modifyitems(config, items):
     """The folders are the tiers (tests/README.md): tests/unit holds no test marked multiproc or
     slurm, and every test marked slurm lives in tests/slurm, so a newcomer reads the tiers from
