@@ -91,32 +91,42 @@ class Decision:
     cause: str = ""
 
 
+# SLURM's verdicts that name a cause the ranks cannot see: a rank only sees its peer vanish
+_SCHEDULER_CAUSES = frozenset({AttemptState.NODE_FAIL, AttemptState.PREEMPTED, AttemptState.TIMEOUT,
+                               AttemptState.OUT_OF_MEMORY, AttemptState.CANCELLED})
+
+
+def ended_by_symptom(launch: LaunchRecord | None) -> bool:
+    """The launch's end record tells only a symptom: its agents got a SIGTERM (recorded as a
+    cancellation), or its ranks lost a peer (an infrastructure error, not a hang). How the
+    run really ended may be SLURM's to say."""
+    if launch is None or not launch.ended:
+        return False
+    return launch.exit_code == ExitCode.CANCELLED or (
+        launch.exit_code == ExitCode.INFRA_ERROR and launch_failure(launch) == FailureKind.INFRASTRUCTURE)
+
+
 def stopped_by_scheduler(launch: LaunchRecord | None, obs: Observation | None) -> bool:
-    """The agents record any SIGTERM as a cancellation; when SLURM's record of that run
-    says otherwise (node failure, preemption, time limit), SLURM's word is the cause."""
-    return (
-        launch is not None
-        and launch.ended
-        and launch.exit_code == ExitCode.CANCELLED
-        and obs is not None
-        and obs.state.ended
-        and obs.state != AttemptState.CANCELLED
-    )
+    """When SLURM's record of the run names a cause the agents could not see (a node
+    failure, preemption, time limit, cancellation), SLURM's word is the cause."""
+    if not ended_by_symptom(launch) or obs is None or not obs.state.ended:
+        return False
+    if launch.exit_code == ExitCode.CANCELLED:
+        return obs.state != AttemptState.CANCELLED
+    return obs.state in _SCHEDULER_CAUSES
 
 
 SCHEDULER_VERDICT_WAIT_S = 600.0  # after that, a launch stopped by SIGTERM with no word from SLURM counts as cancelled
+PEER_LOST_VERDICT_WAIT_S = 60.0  # a lost peer ends the job within a poll or two; past that, the ranks' word stands
 
 
 def awaits_scheduler(launch: LaunchRecord | None, obs: Observation | None, now: float) -> bool:
-    """A launch whose ranks were stopped by a SIGTERM is decided only once the scheduler
-    says how its run ended (or after SCHEDULER_VERDICT_WAIT_S without a word)."""
-    return (
-        launch is not None
-        and launch.ended
-        and launch.exit_code == ExitCode.CANCELLED
-        and not (obs is not None and obs.state.ended)
-        and now - (launch.ended_at or 0) < SCHEDULER_VERDICT_WAIT_S
-    )
+    """A launch that ended on a symptom is decided only once the scheduler says how its
+    run ended (or after the wait above without a word)."""
+    if not ended_by_symptom(launch) or (obs is not None and obs.state.ended):
+        return False
+    wait = SCHEDULER_VERDICT_WAIT_S if launch.exit_code == ExitCode.CANCELLED else PEER_LOST_VERDICT_WAIT_S
+    return now - (launch.ended_at or 0) < wait
 
 
 def _ended_launch(d: Decision, launch: LaunchRecord) -> None:
@@ -152,9 +162,10 @@ def decide(attempt: dict, launch: LaunchRecord | None, obs: Observation | None) 
         d.attempt.update(launch=launch.key, started_at=launch.started, nodes=",".join(launch.nodes))
     if stopped_by_scheduler(launch, obs):
         failure = _FAILURE_OF_STATE.get(obs.state)
+        seen = "SLURM stopped the ranks" if launch.exit_code == ExitCode.CANCELLED else "the ranks saw only a lost peer"
         d.attempt.update(
             state=obs.state.value, exit_code=None, ended_at=launch.ended_at, failure=failure.value if failure else None,
-            reason=f"{obs.reason or obs.state.value.lower()} (SLURM stopped the ranks)",
+            reason=f"{obs.reason or obs.state.value.lower()} ({seen})",
         )
         d.cause = f"launch {launch.key} was stopped by SLURM: {d.attempt['reason']}"
     elif launch is not None and launch.ended:
@@ -285,10 +296,10 @@ def _requeued_by_scheduler(current: LaunchRecord, obs: Observation) -> Observati
     """The job is pending again after ``current`` started: SLURM requeued it. A launch that
     recorded its end tells the rest, unless it only says its ranks were stopped; one that
     could not record it (its node failed) ended as SLURM's record says."""
-    if obs.ended_runs and (not current.ended or current.exit_code == ExitCode.CANCELLED):
+    if obs.ended_runs and (not current.ended or ended_by_symptom(current)):
         state, reason, nodes = obs.ended_runs[-1]
         return Observation(obs.job_id, state, None, f"{reason}; SLURM requeued the job", nodes)
-    if not obs.history and (not current.ended or current.exit_code == ExitCode.CANCELLED):
+    if not obs.history and (not current.ended or ended_by_symptom(current)):
         # no accounting: nothing tells how the run ended, only that the job waits to run again
         return Observation(obs.job_id, AttemptState.REQUEUED, None,
                            "SLURM requeued the job (node failure or preemption: without accounting SLURM keeps no record of which)")

@@ -48,11 +48,14 @@ def test_without_accounting_a_kill_a_node_down_a_time_limit_and_a_scancel_each_e
     watcher = subprocess.Popen(["python", "-m", "orchestrator", "watch", "--interval", "1"], cwd=REPO, stdout=log,
                                stderr=subprocess.STDOUT, env={**os.environ, "ORCHESTRATE_HOME": str(home)})
     try:
-        for name in ("killed", "nodedown", "cancelled"):
-            wait_for_step(runs[name][1], 120, timeout=180)
+        # each fault as soon as its run gets there (waiting for all three first, a run that
+        # started early could have finished before it was hit)
+        wait_for_step(runs["killed"][1], 120, timeout=180)
         os.kill(contract.read_json(contract.heartbeat_path(runs["killed"][1], 1))["pid"], signal.SIGKILL)
+        wait_for_step(runs["nodedown"][1], 120, timeout=180)
         node = contract.read_json(contract.heartbeat_path(runs["nodedown"][1], 0))["node"]
         slurm_run("scontrol", "update", f"nodename={node}", "state=down", "reason=no-accounting-test")
+        wait_for_step(runs["cancelled"][1], 120, timeout=180)
         assert cli("cancel", runs["cancelled"][0], home=home).returncode == 0
         time.sleep(5)
         slurm_run("scontrol", "update", f"nodename={node}", "state=resume")

@@ -14,6 +14,7 @@ from orchestrator.scheduler.local import LocalScheduler
 from orchestrator.scheduler.slurm import SlurmScheduler
 from orchestrator.runfolder.launches import LaunchRecord
 from orchestrator.supervise.reconcile import (
+    PEER_LOST_VERDICT_WAIT_S,
     SCHEDULER_VERDICT_WAIT_S,
     AddAttempt,
     RecordRestarts,
@@ -275,3 +276,28 @@ def test_without_accounting_a_job_pending_again_after_its_ranks_were_stopped_was
     # with accounting, the same sight waits for SLURM's record of the run that ended
     assert task_states(plan_refresh(attempt("RUNNING", "5_0.0"), [launch(0, [ExitCode.CANCELLED])],
                                     Observation("5_0", A.PENDING, reason="BeginTime"), SLURM, 250.0)) == []
+
+
+def test_a_lost_peer_is_a_symptom_slurms_node_failure_is_the_cause():
+    # the surviving node's agent saw its peer vanish and recorded an infrastructure error
+    lost_peer = launch(codes=[ExitCode.INFRA_ERROR])
+    running = Observation("5_0", A.RUNNING)
+    assert kinds(plan_refresh(attempt("RUNNING", "5_0.0"), [lost_peer], running, SLURM, 250.0)) == ["RecordRestarts"]  # wait a poll
+    for obs in (Observation("5_0", A.NODE_FAIL, reason="node n2 failed"),
+                Observation("5_0", A.PENDING, ended_runs=((A.NODE_FAIL, "node n2 failed", "n1,n2"),))):  # requeued already
+        changes = plan_refresh(attempt("RUNNING", "5_0.0"), [lost_peer], obs, SLURM, 250.0)
+        (u,) = [c for c in changes if isinstance(c, UpdateAttempt)]
+        assert u.fields["state"] == "NODE_FAIL" and u.fields["failure"] == "node_failure", changes
+        assert "the ranks saw only a lost peer" in u.fields["reason"] and task_states(changes) == [T.RECOVERING]
+    # an attempt decided on the ranks' word before SLURM spoke is corrected by its verdict
+    changes = plan_refresh(attempt("FAILED", "5_0.0", failure="infrastructure"), [lost_peer],
+                           Observation("5_0", A.NODE_FAIL, reason="node n2 failed"), SLURM, NOW)
+    assert attempt_states(changes) == [(1, "NODE_FAIL")]
+    # the job failed because the agents did: the ranks' word stands, at once
+    changes = plan_refresh(attempt("RUNNING", "5_0.0"), [lost_peer], Observation("5_0", A.FAILED, 4), SLURM, 250.0)
+    assert attempt_states(changes) == [(1, "FAILED")] and [c.fields["failure"] for c in changes if isinstance(c, UpdateAttempt)] == ["infrastructure"]
+    # no word from SLURM past the short wait: the ranks' word; a hang is never a symptom
+    assert attempt_states(plan_refresh(attempt("RUNNING", "5_0.0"), [lost_peer], running, SLURM, 200.0 + PEER_LOST_VERDICT_WAIT_S + 1)) == [(1, "FAILED")]
+    hung = launch(codes=[ExitCode.INFRA_ERROR], generations=[{"action": "stop", "kind": "hang", "decision": "used up"}])
+    changes = plan_refresh(attempt("RUNNING", "5_0.0"), [hung], Observation("5_0", A.NODE_FAIL), SLURM, 250.0)
+    assert [c.fields["failure"] for c in changes if isinstance(c, UpdateAttempt)] == ["hang"]
