@@ -13,11 +13,11 @@ import pytest
 # An illegal ledger state change fails the test (in production it is an event); the
 # CLI processes and watchers the tests start inherit it.
 os.environ.setdefault("ORCHESTRATE_STRICT_TRANSITIONS", "1")
-# No site defaults file (this machine's /etc/orchestrate must not change what tests see);
-# tests of the defaults point ORCHESTRATE_SITE at their own.
-os.environ.setdefault("ORCHESTRATE_SITE", "")
-
 REPO = Path(__file__).resolve().parent.parent
+# The tests' own site defaults (this machine's /etc/orchestrate must not change what tests
+# see): CPU nodes the ranks fill, so no warm standbys; tests of the defaults point
+# ORCHESTRATE_SITE at their own.
+os.environ.setdefault("ORCHESTRATE_SITE", str(REPO / "tests" / "data" / "site-defaults.yaml"))
 
 
 @pytest.fixture

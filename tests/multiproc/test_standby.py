@@ -58,6 +58,14 @@ def test_only_the_built_in_worker_gets_standbys():
     assert Standbys.wanted({"kind": "command"}, {"kind": "ddp"}, 2) is None
 
 
+def test_the_spec_turns_standbys_off_and_none_is_kept_without_restarts_in_place():
+    from orchestrator.contract.sections import Retry
+
+    assert Standbys.wanted({"kind": "gpt"}, {"kind": "ddp"}, 2, Retry()) is not None
+    assert Standbys.wanted({"kind": "gpt"}, {"kind": "ddp"}, 2, Retry(warm_standby=False)) is None
+    assert Standbys.wanted({"kind": "hf"}, {"kind": "ddp"}, 2, Retry(max_restarts=0)) is None
+
+
 def test_standbys_start_once_every_rank_of_the_generation_on_the_node_trains(tmp_path):
     """Not before (their imports would compete with the ranks' own start-up), and not on a
     beat of another launch or generation."""

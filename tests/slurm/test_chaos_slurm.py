@@ -82,7 +82,7 @@ def kinds(ledger, exp_id):
 
 
 def test_a_killed_rank_is_restarted_in_place_skipping_a_corrupted_newest_checkpoint(slurm, home, tmp_path, watchers, reference_loss, capsys):
-    exp_id, tdir = start(home, tmp_path, watchers, "kill9")
+    exp_id, tdir = start(home, tmp_path, watchers, "kill9", retry=", warm_standby: true")  # off in the tests' site file
     wait_for_step(tdir, 330)
     # the newest checkpoint is damaged before the crash: the restart must take the one before
     step, newest = contract.committed_checkpoints(tdir)[0]

@@ -70,7 +70,7 @@ def _generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: P
                  started: float) -> tuple[int, Result | None]:
     """Start the ranks again in place after each failure the end record says to restart
     from; the last generation and how it ended (None: no rendezvous point)."""
-    standbys = Standbys.wanted(cfg.model, cfg.engine, cfg.resources.tasks_per_node)
+    standbys = Standbys.wanted(cfg.model, cfg.engine, cfg.resources.tasks_per_node, cfg.retry)
     try:
         return _run_generations(cfg, ctx, tdir, ldir, launch, flags, started, standbys)
     finally:

@@ -31,7 +31,11 @@ class Standbys:
         self.procs: dict[int, subprocess.Popen] = {}
 
     @classmethod
-    def wanted(cls, model: dict, engine: dict, per_node: int) -> "Standbys | None":
+    def wanted(cls, model: dict, engine: dict, per_node: int, retry=None) -> "Standbys | None":
+        """Standbys for orchestrate's own worker, unless the spec turned them off
+        (`retry.warm_standby`) or allows no restart in place to use them."""
+        if retry is not None and (not retry.warm_standby or retry.max_restarts == 0):
+            return None
         return cls(model["kind"], engine["kind"], per_node) if model["kind"] in WARM_KINDS else None
 
     def ensure(self, env_of, log_of, cwd: str | None = None) -> None:
