@@ -123,7 +123,7 @@ def test_dry_run_submits_and_records_nothing(home):
 def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_and_resumes(home, tmp_path):
     """The local executor recovers too: no queue to requeue into, so a new driver runs the
     task again from its last checkpoint, and it ends with the undisturbed loss."""
-    text = SMALL.format(steps=700).replace("heartbeat: {interval_s: 1}", "heartbeat: {interval_s: 0.5}")
+    text = SMALL.format(steps=400).replace("heartbeat: {interval_s: 1}", "heartbeat: {interval_s: 0.5}")
     text += "checkpoint: {every_steps: 100}\nretry: {max_restarts: 0, backoff_s: 1}\nlogging: {every_steps: 1}\n"
     spec = write(tmp_path / "s.yaml", text.replace("logging: {every_steps: 10}\n", ""))
     import subprocess

@@ -20,7 +20,7 @@ from orchestrator.ledger import Ledger
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 
-STEPS = 900
+STEPS = 600  # the last fault lands by step 330: 270 more steps to recover into
 SPEC = """\
 name: {name}
 steps: {steps}

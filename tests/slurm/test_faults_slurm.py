@@ -32,11 +32,11 @@ PREEMPTED_STEPS = 160
 
 @pytest.fixture(scope="module")
 def preempt_reference(tmp_path_factory):
-    """The preempted spec, never interrupted (4 ranks of 2 threads on one node: the same
+    """The preempted spec, never interrupted (4 ranks of 1 thread on one node: the same
     world, data order and kernels as 4 nodes of 1 rank)."""
     tmp = tmp_path_factory.mktemp("reference")
     spec = write(tmp / "p.yaml", SMALL.format(name="reference", steps=PREEMPTED_STEPS, signal_before=120, resources="{nodes: 1}"))
-    ref = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 4, cpus_per_task: 2}",
+    ref = cli("submit", str(spec), "--executor", "local", "--set", "resources={tasks_per_node: 4, cpus_per_task: 1}",
               "--wait", "--json", home=tmp / "home", timeout=400)
     assert ref.returncode == 0, ref.stderr[-2000:]
     return json.loads(ref.stdout)["experiments"][0]["tasks"][0]["loss"]
@@ -50,7 +50,7 @@ NO_SCONTROL = ("setup: ['nos=$(mktemp -d -t orchestrate-noscontrol.XXXXXX)', 'ln
 @pytest.mark.parametrize("node_has_scontrol", [True, False], ids=["scontrol", "no-scontrol"])
 def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher, node_has_scontrol, preempt_reference):
     setup = "" if node_has_scontrol else NO_SCONTROL
-    four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 2, partition: low, " + setup + "time: '00:10:00'}"
+    four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 1, partition: low, " + setup + "time: '00:10:00'}"
     spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=PREEMPTED_STEPS, signal_before=120, resources=four_nodes))
     exp_id = submit(home, str(spec), "--executor", "slurm")
     watcher(exp_id)

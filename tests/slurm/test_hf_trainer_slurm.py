@@ -34,7 +34,7 @@ heartbeat: {{interval_s: 1}}
 resources: {{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: "00:10:00"{partition}}}
 """
 # a tiny model trains a step in ~20 ms: enough steps that the preemption lands mid-run
-STEPS = 800
+STEPS = 400
 ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed")}
 
 
