@@ -11,8 +11,7 @@ from orchestrator.contract import FailureKind, GenerationAction, TaskConfig, rec
 from orchestrator.contract.safe_read import cut
 from orchestrator.states import AttemptState, TaskState
 from orchestrator.runfolder import badrecords
-from orchestrator.supervise import recovery
-from orchestrator.supervise.recover import agent_answer_s
+from orchestrator.supervise import faults, recovery
 from orchestrator.supervise.acting import Acting
 from orchestrator.runfolder.launches import read_generation_ends, read_launch
 from orchestrator.supervise.refresh import PollPacer
@@ -63,7 +62,7 @@ def escalate_unanswered(act: Acting, exp: dict, task: dict, attempt: dict, ldir:
         return  # unreadable (refresh reports it), or an agent is ending the launch itself
     nodes = max(1, len(launch.nodes))
     stopped = sum(contract.generation_stopped_path(ldir, generation, n).exists() for n in range(nodes))
-    age = recovery.unanswered_for(record["time"], stopped, nodes, act.clock(), agent_answer_s())
+    age = recovery.unanswered_for(record["time"], stopped, nodes, act.clock(), faults.agent_answer_s())
     if age is None:
         return
     cause = (f"{record['cause']}; the node agents did not answer within {age:.0f} s "

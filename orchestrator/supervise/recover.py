@@ -6,11 +6,10 @@ failed attempt, one recovery."""
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
-from orchestrator.contract import RequeueBy, TaskConfig, envvars
+from orchestrator.contract import RequeueBy, TaskConfig
 from orchestrator.scheduler import JobRef, Observation
 from orchestrator.states import ActionState, AttemptState, TaskState
 from orchestrator.supervise import recovery
@@ -19,23 +18,6 @@ from orchestrator.supervise.acting import Acting
 from orchestrator.supervise.exp_spec import with_spec_exclude
 from orchestrator.runfolder.launches import read_launches
 from orchestrator.supervise.recovery import RecoveryKind
-
-
-def requeue_take_s() -> float:
-    """How long a requeue may take to show before it is given up (tests shorten it)."""
-    return _seconds(envvars.REQUEUE_TAKE_S, recovery.REQUEUE_TAKE_S)
-
-
-def agent_answer_s() -> float:
-    """How long the node agents get to answer a hang's end record (tests shorten it)."""
-    return _seconds(envvars.AGENT_ANSWER_S, recovery.AGENT_ANSWER_S)
-
-
-def _seconds(name: str, default: float) -> float:
-    try:
-        return max(1.0, float(os.environ.get(name) or default))
-    except ValueError:
-        return default
 
 
 def failed_attempt(act: Acting, exp: dict, task: dict, attempts: list[dict], cfg: TaskConfig,
@@ -70,7 +52,7 @@ def requeue_not_taken(act: Acting, exp: dict, task: dict, attempts: list[dict], 
     job. The requeue's action becomes the resubmission, written down before it is made."""
     attempt = attempts[-1]
     action = next((a for a in act.ledger.actions(exp["id"], task["idx"]) if a["attempt"] == attempt["number"]), None)
-    cause = recovery.requeue_not_taken(action, obs, act.clock(), requeue_take_s())
+    cause = recovery.requeue_not_taken(action, obs, act.clock(), faults.requeue_take_s())
     if cause is None:
         return
     sched = act.scheduler(exp["executor"])

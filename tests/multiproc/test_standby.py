@@ -12,6 +12,7 @@ import time
 import pytest
 
 from orchestrator.contract import ExitCode
+from orchestrator.contract.taskconfig import Retry
 from train_entry.agent.standby import Standbys
 
 pytestmark = pytest.mark.multiproc  # each standby imports torch
@@ -52,15 +53,13 @@ def test_an_unused_standby_leaves_when_the_launch_ends_and_none_is_started_twice
 
 
 def test_only_the_built_in_worker_gets_standbys():
-    assert Standbys.wanted({"kind": "gpt"}, {"kind": "ddp"}, 2) is not None
-    assert Standbys.wanted({"kind": "hf"}, {"kind": "deepspeed"}, 1) is not None
-    assert Standbys.wanted({"kind": "script"}, {"kind": "ddp"}, 2) is None
-    assert Standbys.wanted({"kind": "command"}, {"kind": "ddp"}, 2) is None
+    assert Standbys.wanted({"kind": "gpt"}, {"kind": "ddp"}, 2, Retry()) is not None
+    assert Standbys.wanted({"kind": "hf"}, {"kind": "deepspeed"}, 1, Retry()) is not None
+    assert Standbys.wanted({"kind": "script"}, {"kind": "ddp"}, 2, Retry()) is None
+    assert Standbys.wanted({"kind": "command"}, {"kind": "ddp"}, 2, Retry()) is None
 
 
 def test_the_spec_turns_standbys_off_and_none_is_kept_without_restarts_in_place():
-    from orchestrator.contract.sections import Retry
-
     assert Standbys.wanted({"kind": "gpt"}, {"kind": "ddp"}, 2, Retry()) is not None
     assert Standbys.wanted({"kind": "gpt"}, {"kind": "ddp"}, 2, Retry(warm_standby=False)) is None
     assert Standbys.wanted({"kind": "hf"}, {"kind": "ddp"}, 2, Retry(max_restarts=0)) is None

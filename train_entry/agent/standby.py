@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from orchestrator.contract.taskconfig import Retry
 
 WARM_KINDS = ("gpt", "hf", "entrypoint")  # the models the built-in worker runs
 START_AFTER_S = 5.0  # after the generation started, at the latest (sooner once its ranks train): past their imports by then
@@ -31,10 +32,10 @@ class Standbys:
         self.procs: dict[int, subprocess.Popen] = {}
 
     @classmethod
-    def wanted(cls, model: dict, engine: dict, per_node: int, retry=None) -> "Standbys | None":
+    def wanted(cls, model: dict, engine: dict, per_node: int, retry: Retry) -> "Standbys | None":
         """Standbys for orchestrate's own worker, unless the spec turned them off
         (`retry.warm_standby`) or allows no restart in place to use them."""
-        if retry is not None and (not retry.warm_standby or retry.max_restarts == 0):
+        if not retry.warm_standby or retry.max_restarts == 0:
             return None
         return cls(model["kind"], engine["kind"], per_node) if model["kind"] in WARM_KINDS else None
 
