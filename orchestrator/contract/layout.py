@@ -174,11 +174,18 @@ def stacks_path(ldir: PathLike, generation: int, rank: int) -> Path:
     return stacks_dir(ldir) / f"gen-{generation}.rank-{rank}.txt"
 
 
+# [first, end): 31 and 7919 are prime to the span, so consecutive job ids and generations differ
+RENDEZVOUS_PORTS = (20000, 32000)
+
+
 def derive_port(job_id: str, generation: int = 0) -> int:
     """A rendezvous port from the job id: jobs sharing a node never pick the same one.
 
     ``generation`` counts in-place restarts inside one allocation, so a restarted
-    rendezvous does not race the sockets of the previous one.
+    rendezvous does not race the sockets of the previous one. The range stays below Linux's
+    default ephemeral range (32768-60999), where the kernel picks the local port of every
+    outgoing connection on the node (gloo's, other jobs'): a port derived there was found
+    taken by one (EADDRINUSE), which cost a restart.
     """
     digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
-    return 20000 + (int(digits) * 31 + generation * 7919) % 30000
+    return RENDEZVOUS_PORTS[0] + (int(digits) * 31 + generation * 7919) % (RENDEZVOUS_PORTS[1] - RENDEZVOUS_PORTS[0])

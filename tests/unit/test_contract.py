@@ -56,7 +56,7 @@ def test_jsonl_reader_takes_only_complete_lines(tmp_path):
 
 def test_ports_differ_between_jobs_and_generations():
     ports = {contract.derive_port(str(j)) for j in range(1000, 1100)}
-    assert len(ports) == 100 and all(20000 <= p < 50000 for p in ports)
+    assert len(ports) == 100 and all(20000 <= p < 32000 for p in ports)  # below the kernel's ephemeral ports
     assert contract.derive_port("1234_5") != contract.derive_port("1234_5", generation=1)
 
 
