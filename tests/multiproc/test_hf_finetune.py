@@ -137,6 +137,31 @@ def test_only_the_bitsandbytes_kernel_message_is_dropped():
     assert [r.getMessage() for r in seen] == ["something else went wrong"] and len(logger.filters) == 1
 
 
+def test_bitsandbytes_stays_out_of_a_rank_whose_model_is_not_4_bit(tiny_model, tmp_path):
+    """peft imports it whenever installed (a second of a core per rank): kept out unless
+    QLoRA, or a folder whose weights are quantised, needs it; what peft asks then says absent."""
+    import importlib.util
+    import shutil
+
+    from train_entry.hf import load
+
+    quantised = shutil.copytree(tiny_model, tmp_path / "quantised")
+    cfg = json.loads((quantised / "config.json").read_text())
+    (quantised / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"load_in_4bit": True}}))
+    before = sys.modules.pop("bitsandbytes", None)
+    try:
+        for mcfg, kept_out in [({"path": str(tiny_model), "qlora": {"r": 4}}, False), ({"path": str(quantised)}, False),
+                               ({"path": str(tiny_model)}, True)]:
+            sys.modules.pop("bitsandbytes", None)
+            load.load_tokenizer(mcfg)
+            assert ("bitsandbytes" in sys.modules) == kept_out and sys.modules.get("bitsandbytes") is None, mcfg
+            assert (importlib.util.find_spec("bitsandbytes") is None) == kept_out, mcfg
+    finally:
+        sys.modules.pop("bitsandbytes", None)
+        if before is not None:
+            sys.modules["bitsandbytes"] = before
+
+
 # ---------------------------------------------------------------- training on every engine
 
 SPEC = """\

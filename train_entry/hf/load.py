@@ -11,8 +11,10 @@ whole model.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -23,6 +25,23 @@ from train_entry.errors import UserCodeError
 from train_entry.hf import quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _keep_bitsandbytes_out(mcfg: Mapping[str, Any]) -> None:
+    """peft imports bitsandbytes whenever it is installed: a second of a core at every rank's
+    start, and its CPU backend tries to fetch a kernel from the hub. A model that is not 4-bit
+    never calls it, so it stays out: a None in ``sys.modules`` fails the import, and
+    ``importlib.util.find_spec`` (how peft and transformers ask) answers that it is absent.
+    Not for QLoRA, nor for a folder whose config.json says its weights are quantised."""
+    if mcfg.get("qlora") or "bitsandbytes" in sys.modules:
+        return
+    cfg = Path(mcfg["path"]) / "config.json"
+    try:
+        quantised = "quantization_config" in json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        quantised = cfg.exists()  # unreadable: let the load say what is wrong, with bitsandbytes at hand
+    if not quantised:
+        sys.modules["bitsandbytes"] = None
 
 
 def _transformers():
@@ -44,6 +63,7 @@ def source_kwargs(mcfg: Mapping[str, Any]) -> dict:
 
 
 def load_tokenizer(mcfg: Mapping[str, Any]):
+    _keep_bitsandbytes_out(mcfg)  # the first load of a rank: before anything imports peft
     tf = _transformers()
     try:
         tok = tf.AutoTokenizer.from_pretrained(mcfg["path"], **source_kwargs(mcfg))
