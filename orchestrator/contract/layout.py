@@ -188,4 +188,5 @@ def derive_port(job_id: str, generation: int = 0) -> int:
     taken by one (EADDRINUSE), which cost a restart.
     """
     digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
-    return RENDEZVOUS_PORTS[0] + (int(digits) * 31 + generation * 7919) % (RENDEZVOUS_PORTS[1] - RENDEZVOUS_PORTS[0])
+    first, end = RENDEZVOUS_PORTS
+    return first + (int(digits) * 31 + generation * 7919) % (end - first)
