@@ -7,6 +7,8 @@ named hook at its point. Unset (always, outside tests), each hook does nothing.
   with SIGTERM, then SIGKILL).
 - ``slow_save``: ``FAULT_SLOW_SAVE_S=S``, every save takes S seconds more, writing all
   along (a slow filesystem).
+- ``slow_step``: ``FAULT_SLOW_STEP_S=S``, every step of the built-in loop takes S seconds
+  more, asleep: a run whose length in wall time does not depend on the machine's speed.
 - ``reinit_after_load``: ``FAULT_REINIT=PREFIX``, after a resume's load the trainable
   parameters whose names start with PREFIX are re-initialised, as a loader that silently
   re-creates a layer would.
@@ -50,6 +52,12 @@ def slow_save(folder: Path, rank: int) -> None:
             fh.flush()
             time.sleep(0.1)
     filler.unlink()
+
+
+def slow_step() -> None:
+    seconds = float(os.environ.get(envvars.FAULT_SLOW_STEP_S) or 0)
+    if seconds:
+        time.sleep(seconds)
 
 
 def reinit_after_load(model) -> list[str]:

@@ -185,6 +185,7 @@ class Loop:
             inputs, targets = self.sampler.batch(self.workload.dataset, self.step, m, self.device)
             losses.append(self.engine.micro_step(inputs, targets, self.workload.loss, self.accum, last=m == self.accum - 1))
         self.engine.optimizer_step(lr)
+        faults.slow_step()  # tests: a step's wall time that no machine makes shorter
         self.step_losses = losses
         self.step += 1
         self.window_steps += 1

@@ -25,4 +25,5 @@ AGENT_ANSWER_S = "ORCHESTRATE_AGENT_ANSWER_S"  # seconds the node agents get to 
 FAULT_INJECT = "ORCHESTRATE_FAULT_INJECT"  # the watcher dies at a named point, as a killed one would
 FAULT_SLOW_SAVE_S = "ORCHESTRATE_FAULT_SLOW_SAVE_S"  # every checkpoint write takes this long more (a slow filesystem, still writing)
 FAULT_STALL_SAVE = "ORCHESTRATE_FAULT_STALL_SAVE"  # the save of this step stalls for good on rank 1 in the first launch's first generation
+FAULT_SLOW_STEP_S = "ORCHESTRATE_FAULT_SLOW_STEP_S"  # every optimizer step of the built-in loop takes this long more (a slow node)
 FAULT_REINIT = "ORCHESTRATE_FAULT_REINIT"  # after a resume's load, re-initialise the parameters whose names start with this

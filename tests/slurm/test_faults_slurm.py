@@ -100,14 +100,16 @@ def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm,
 
 
 def test_a_run_longer_than_its_time_limit_is_requeued_until_it_finishes(slurm, home, tmp_path, watcher):
-    # SLURM's shortest limit, the signal 40 s before it: ~20 s a run, in which this machine does
-    # ~1,000 steps past the imports (about 100 a second): 3,000 take 3 runs or so, never 1
+    # SLURM's shortest limit, the signal 40 s before it: slurmctld looks every 30 s or so, so it comes
+    # 20-50 s into a run. Each step sleeps 50 ms more, so the 1,200 take over 60 s of training on any
+    # machine (a CI machine did 3,000 bare steps inside one run): never 1 run, 2-4 here
     one_node = "{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: '00:01:00'}"
-    spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=3000, signal_before=40, resources=one_node))
+    spec = write(tmp_path / "t.yaml", SMALL.format(name="timelimit", steps=1200, signal_before=40, resources=one_node)
+                 + "env: {ORCHESTRATE_FAULT_SLOW_STEP_S: '0.05'}\n")
     exp_id = submit(home, str(spec), "--executor", "slurm")
     watcher(exp_id)
     exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 580)
-    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 3000, exp
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 1200, exp
     ledger = Ledger.open(home / "ledger.db")
     attempts = ledger.attempts(exp_id, 0)
     assert len(attempts) >= 2 and attempts[-1]["state"] == "COMPLETED", attempts

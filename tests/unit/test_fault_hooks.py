@@ -15,9 +15,10 @@ from train_entry import faults
 
 
 def test_unset_hooks_do_nothing(tmp_path, monkeypatch):
-    for name in (envvars.FAULT_SLOW_SAVE_S, envvars.FAULT_STALL_SAVE, envvars.FAULT_REINIT):
+    for name in (envvars.FAULT_SLOW_SAVE_S, envvars.FAULT_STALL_SAVE, envvars.FAULT_REINIT, envvars.FAULT_SLOW_STEP_S):
         monkeypatch.delenv(name, raising=False)
     t0 = time.monotonic()
+    faults.slow_step()
     faults.slow_save(tmp_path, 0)
     faults.stall_save(3, 1)
     model = torch.nn.Linear(2, 2)
@@ -33,6 +34,13 @@ def test_a_slow_save_writes_all_along_and_leaves_nothing(tmp_path, monkeypatch):
     faults.slow_save(tmp_path, 1)
     assert time.monotonic() - t0 >= 0.3
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_slow_step_sleeps_its_seconds(monkeypatch):
+    monkeypatch.setenv(envvars.FAULT_SLOW_STEP_S, "0.2")
+    t0 = time.monotonic()
+    faults.slow_step()
+    assert time.monotonic() - t0 >= 0.2
 
 
 def test_the_stall_is_for_its_step_on_rank_1_of_the_first_launch_and_generation_only(monkeypatch):
