@@ -1,9 +1,17 @@
-"""A warm standby rank (started by the node agent, ``train_entry.agent.standby``): the
-worker's imports done ahead of a restart in place, then one JSON line on stdin, the
-rank's environment and arguments, and it runs as ``python -m train_entry.worker``
-would. End of input without an order: the launch ended, and it leaves without a word.
+"""Ranks whose imports another process did: the worker's heavy imports done once, then
+the rank runs as ``python -m train_entry.worker TASK_DIR`` would.
+
+- A warm standby (``train_entry.agent.standby``), ahead of a restart in place: one
+  JSON line on stdin, the rank's environment and arguments, and it runs as that rank.
+  End of input without an order: the launch ended, and it leaves without a word.
+- The node's forker (``train_entry.agent.forked``), at a generation's start: one JSON
+  line on stdin, the orders of every rank of the node; it imports once, forks one
+  process per order, prints their pids as one JSON line, and exits. Its children, now
+  the agent's (a child subreaper), run as the ranks. On a node of 2 CPU ranks that is
+  one import instead of two: 2-4 s of a core a rank.
 
     python -m train_entry.warm_rank MODEL_KIND ENGINE_KIND
+    python -m train_entry.warm_rank --fork MODEL_KIND ENGINE_KIND
 """
 
 from __future__ import annotations
@@ -12,39 +20,54 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import sys
+import traceback
+
+from orchestrator.contract import envvars
 
 WORKER = "train_entry.worker"
+# the signals the forker holds while it forks: one sent then reaches no half-made rank
+HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
 
 
-def warm_modules(model_kind: str, engine_kind: str) -> list[str]:
-    """What the worker imports before its first step, less what depends on the device
-    (DeepSpeed picks its op builds from it, so it is imported by the worker itself)."""
+def warm_modules(model_kind: str, engine_kind: str, cpu: bool = False) -> list[str]:
+    """What the worker imports before its first step. DeepSpeed picks its op builds from the
+    device, so it is left to the worker unless the ranks are known to run on CPU."""
     mods = ["torch", "torch.distributed", "torch.distributed.checkpoint", "orchestrator.contract", "train_entry.errors", "train_entry.env",
             "train_entry.session", "train_entry.checkpoint.checkpointer", "train_entry.engines", "train_entry.models"]  # the worker's own: run fresh
-    if engine_kind in ("ddp", "fsdp"):
+    if engine_kind in ("ddp", "fsdp") or (engine_kind == "deepspeed" and cpu):
         mods.append(f"train_entry.engines.{engine_kind}")
     if model_kind == "hf":
         mods += ["transformers", "peft", "train_entry.hf"]
     return mods
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    model_kind, engine_kind = argv
+def warm_up(model_kind: str, engine_kind: str, model: dict | None = None, cpu: bool = False) -> None:
+    """The imports, as the worker would do them; one that fails is left for the worker to
+    import again and report."""
     if model_kind == "hf":
-        from train_entry.hf import quiet
+        from train_entry.hf import load, quiet
 
         quiet.drop_bitsandbytes_kernel_warning()  # as the worker does, before peft is imported below
-    for name in warm_modules(model_kind, engine_kind):
+        if model is not None:
+            load.keep_bitsandbytes_out(model)
+    if cpu and engine_kind == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the worker sets it, before DeepSpeed picks
+    for name in warm_modules(model_kind, engine_kind, cpu):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker imports it again and reports what fails
             pass
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0  # the launch ended without a restart: never needed
-    order = json.loads(line)
+    if cpu and engine_kind == "deepspeed" and "train_entry.engines.deepspeed" in sys.modules:
+        import torch
+
+        sys.modules["train_entry.engines.deepspeed"].skip_unneeded_op_builds(torch.device("cpu"))
+
+
+def become(order: dict) -> None:
+    """Run as the rank of ``order``: its environment, its argv, stdin from /dev/null as a
+    fresh rank has it. Raises SystemExit with the worker's exit code."""
     os.environ.clear()
     os.environ.update(order["env"])
     sys.argv = [WORKER, *order["argv"]]
@@ -56,7 +79,77 @@ def main(argv: list[str] | None = None) -> int:
     # the worker as `python -m train_entry.worker TASK_DIR` runs it: its own __main__, this
     # process's imports reused; it ends the process with the worker's exit code
     runpy.run_module(WORKER, run_name="__main__", alter_sys=True)
+
+
+def standby(model_kind: str, engine_kind: str) -> int:
+    warm_up(model_kind, engine_kind, _model(os.environ.get(envvars.TASK_DIR, "")))
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # the launch ended without a restart: never needed
+    become(json.loads(line))
     return 0
+
+
+def fork(model_kind: str, engine_kind: str) -> int:
+    """The forker: every order read first (the agent writes them at once), then the imports,
+    then a child per order. Returns in each child too, with that rank's exit code, so the
+    child ends as a plain interpreter does (its exit handlers, its threads joined)."""
+    orders = json.loads(sys.stdin.readline())
+    warm_up(model_kind, engine_kind, _model(orders[0]["argv"][0]), cpu=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    pids: dict[int, int] = {}
+    try:
+        for order in orders:
+            pid = os.fork()
+            if pid == 0:
+                return _child(order)
+            pids[order["local_rank"]] = pid
+    except OSError as exc:  # no memory or no process left for one more: none of them runs
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        print(f"orchestrate forker: cannot fork rank processes: {exc.strerror}", file=sys.stderr)
+        return 1
+    os.write(1, (json.dumps(pids) + "\n").encode())
+    return 0
+
+
+def _model(task_dir: str) -> dict | None:
+    """The task's model section; None when task.json cannot be read (the worker reports it)."""
+    from orchestrator import contract
+
+    try:
+        return contract.TaskConfig.load(task_dir).model
+    except contract.TaskConfigError:
+        return None
+
+
+def _child(order: dict) -> int:
+    try:
+        fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)  # the forker's pipe to the agent is not the rank's to hold
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+        become(order)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 - said in the rank's log, and the rank ends as failed to start
+        traceback.print_exc()
+        from orchestrator.contract import ExitCode
+
+        return ExitCode.INTERNAL_ERROR
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[0] == "--fork":
+        return fork(*argv[1:])
+    return standby(*argv)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ whose fault it was (``errors``) where the login side finds them.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 import traceback
@@ -15,12 +16,23 @@ import traceback
 STARTED = time.time()  # the ledger's resume event tells start-up and load time apart (recovery figures)
 
 from orchestrator import contract  # noqa: E402
-from orchestrator.contract import ExitCode  # noqa: E402
+from orchestrator.contract import ExitCode, envvars  # noqa: E402
 
 from train_entry import errors, faults  # noqa: E402
 from train_entry.checkpoint.policy import Due, SavePolicy  # noqa: E402
 from train_entry.env import RankContext  # noqa: E402
 from train_entry.session import RankSession  # noqa: E402
+
+
+def _forker_started(default: float) -> float:
+    """A forked rank's start is its forker's: the imports done there were this rank's start-up."""
+    try:
+        return min(default, float(os.environ.get(envvars.RANK_STARTED) or default))
+    except ValueError:
+        return default
+
+
+STARTED = _forker_started(STARTED)
 
 # torch is imported inside the functions: the rank's first heartbeat comes before its import
 

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from orchestrator import contract
 from orchestrator.contract import ExitCode, FailureKind, envvars
 from orchestrator.contract.generations import STOP_BARRIER_S  # for every node to stop its ranks before a restart
 
+from train_entry.agent import forked
 from train_entry.agent.liveness import Liveness
 from train_entry.agent.ranks import NotStarted, command_argv, launch_exit_code, worker_env
 from train_entry.agent.standby import START_AFTER_S, Standbys
@@ -80,30 +82,28 @@ class Generation:
         self.ckpt_signal = getattr(signal, "SIG" + cfg.checkpoint.signal)
 
     def start(self) -> None:
-        cwd = None
-        if self.cfg.model["kind"] == "script":  # the user's own loop, with train_entry.client
-            argv = [sys.executable, self.cfg.model["script"], *self.cfg.model["args"]]
-        elif self.command:
-            argv, cwd = command_argv(self.cfg.model), self.cfg.model.get("cwd")
-        else:
-            argv = [sys.executable, "-m", WORKER, str(self.tdir)]
+        argv, cwd = self._argv()
+        worker = argv[1:3] == ["-m", WORKER]
+        cold: list[tuple[int, int, dict]] = []  # (local rank, rank, environment) of the ranks no standby takes
         for local_rank in range(self.per_node):
             rank = self.ctx.node_rank * self.per_node + local_rank
-            lpath = contract.log_path(self.tdir, rank)
-            lpath.parent.mkdir(parents=True, exist_ok=True)
-            warm = self.standbys is not None and argv[1:3] == ["-m", WORKER] and self.standbys.ready(local_rank)
-            with open(lpath, "a", encoding="utf-8") as fh:
-                fh.write(f"=== launch {self.launch} generation {self.generation} rank {rank} on {self.ctx.node_name} "
-                         f"at {time.strftime('%Y-%m-%d %H:%M:%S')}{' (warm standby)' if warm else ''} ===\n")
-                fh.flush()
-                env = worker_env(dict(os.environ), self.cfg, self.ctx, local_rank, self.addr, self.port, self.launch)
-                env[envvars.GENERATION] = str(self.generation)
-                if warm and (proc := self.standbys.take(local_rank, env, argv[3:])) is not None:
+            env = worker_env(dict(os.environ), self.cfg, self.ctx, local_rank, self.addr, self.port, self.launch)
+            env[envvars.GENERATION] = str(self.generation)
+            if not (worker and self.standbys is not None and self.standbys.ready(local_rank)):
+                cold.append((local_rank, rank, env))
+                continue
+            with self._log(rank, " (warm standby)") as fh:
+                if (proc := self.standbys.take(local_rank, env, argv[3:])) is not None:
                     self.procs[rank] = proc  # a restart: the standby runs as this rank, its imports done
                     continue
-                if warm:
-                    fh.write("orchestrate agent: the warm standby would not take its order; starting this rank from nothing\n")
-                    fh.flush()
+                fh.write("orchestrate agent: the warm standby would not take its order; starting this rank from nothing\n")
+            cold.append((local_rank, rank, env))
+        group = self._fork(cold, argv) if worker and forked.wanted(self.cfg.model["kind"], self.cfg.uses_cuda_request, len(cold)) else None
+        for local_rank, rank, env in cold:
+            if group is not None:
+                self.procs[rank] = group.rank(local_rank)
+                continue
+            with self._log(rank, "") as fh:
                 try:
                     # a command's rank leads its own session: stopping reaches its children
                     # (a wrapper's, DataLoader workers) through its process group
@@ -115,7 +115,42 @@ class Generation:
                     continue
             if self.command:
                 self.liveness.started(rank, local_rank, self.procs[rank].pid)
+        self.procs = dict(sorted(self.procs.items()))
         self.codes = {r: None for r in self.procs}
+
+    def _argv(self) -> tuple[list[str], str | None]:
+        """The ranks' program and working folder."""
+        if self.cfg.model["kind"] == "script":  # the user's own loop, with train_entry.client
+            return [sys.executable, self.cfg.model["script"], *self.cfg.model["args"]], None
+        if self.command:
+            return command_argv(self.cfg.model), self.cfg.model.get("cwd")
+        return [sys.executable, "-m", WORKER, str(self.tdir)], None
+
+    def _log(self, rank: int, how: str) -> TextIO:
+        """The rank's log, opened for appending, its launch header written."""
+        lpath = contract.log_path(self.tdir, rank)
+        lpath.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(lpath, "a", encoding="utf-8")
+        fh.write(f"=== launch {self.launch} generation {self.generation} rank {rank} on {self.ctx.node_name} "
+                 f"at {time.strftime('%Y-%m-%d %H:%M:%S')}{how} ===\n")
+        fh.flush()
+        return fh
+
+    def _fork(self, cold: list[tuple[int, int, dict]], argv: list[str]) -> forked.ForkedRanks | None:
+        """The cold ranks forked from one process that imports once; None to start them each
+        from nothing (the forker could not be started)."""
+        orders = []
+        for local_rank, rank, env in cold:
+            with self._log(rank, " (forked after one import for the node)"):
+                pass
+            orders.append({"local_rank": local_rank, "env": env, "argv": argv[3:], "log": str(contract.log_path(self.tdir, rank))})
+        with open(orders[0]["log"], "a", encoding="utf-8") as fh:  # what the forker itself prints
+            group = forked.ForkedRanks.start(self.cfg.model["kind"], self.cfg.engine["kind"], orders, cold[0][2], fh)
+        if group is None:
+            for _, rank, _ in cold:
+                with open(contract.log_path(self.tdir, rank), "a", encoding="utf-8") as fh:
+                    fh.write("orchestrate agent: the forker could not start; starting this rank from nothing\n")
+        return group
 
     def _start_standbys(self, started: float) -> None:
         """The next generation's ranks, warm, once this one's are past their own start-up

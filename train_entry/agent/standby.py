@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 import time
 
 from orchestrator.contract.taskconfig import Retry
+
+from train_entry.agent.pipes import write_all
 
 WARM_KINDS = ("gpt", "hf", "entrypoint")  # the models the built-in worker runs
 START_AFTER_S = 5.0  # after the generation started, at the latest (sooner once its ranks train): past their imports by then
@@ -64,7 +65,7 @@ class Standbys:
         proc = self.procs.pop(local_rank, None)
         if proc is None or proc.poll() is not None:
             return None
-        if not _send(proc, (json.dumps({"env": env, "argv": argv}) + "\n").encode(), ORDER_WRITE_S):
+        if not write_all(proc, (json.dumps({"env": env, "argv": argv}) + "\n").encode(), ORDER_WRITE_S):
             _end_all([proc])
             return None
         return proc
@@ -74,26 +75,6 @@ class Standbys:
         still importing: they hold nothing)."""
         _end_all(list(self.procs.values()))
         self.procs.clear()
-
-
-def _send(proc: subprocess.Popen, data: bytes, deadline_s: float) -> bool:
-    """The order, then the end of input; never blocks the agent past ``deadline_s`` (an
-    environment larger than the pipe's buffer waits for the standby to read it)."""
-    try:
-        fd = proc.stdin.fileno()
-        os.set_blocking(fd, False)
-        view, end = memoryview(data), time.monotonic() + deadline_s
-        while view:
-            try:
-                view = view[os.write(fd, view):]
-            except BlockingIOError:
-                if time.monotonic() > end or proc.poll() is not None:
-                    return False
-                select.select([], [fd], [], 0.1)
-        proc.stdin.close()
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def _end_all(procs: list[subprocess.Popen]) -> None:

@@ -27,7 +27,7 @@ from train_entry.hf import quiet
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _keep_bitsandbytes_out(mcfg: Mapping[str, Any]) -> None:
+def keep_bitsandbytes_out(mcfg: Mapping[str, Any]) -> None:
     """peft imports bitsandbytes whenever it is installed: a second of a core at every rank's
     start, and its CPU backend tries to fetch a kernel from the hub. A model that is not 4-bit
     never calls it, so it stays out: a None in ``sys.modules`` fails the import, and
@@ -63,7 +63,7 @@ def source_kwargs(mcfg: Mapping[str, Any]) -> dict:
 
 
 def load_tokenizer(mcfg: Mapping[str, Any]):
-    _keep_bitsandbytes_out(mcfg)  # the first load of a rank: before anything imports peft
+    keep_bitsandbytes_out(mcfg)  # the first load of a rank: before anything imports peft
     tf = _transformers()
     try:
         tok = tf.AutoTokenizer.from_pretrained(mcfg["path"], **source_kwargs(mcfg))
