@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,hf_trainer]
+    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -35,6 +35,7 @@ BENCHES = {
     "overhead": ("Orchestration overhead on the step time", ["--steps", "300", "--repeats", "3", "--sizes", "1"],
                  ["--steps", "60", "--repeats", "1", "--sizes", "1"]),
     "ledger": ("The ledger", ["--tasks", "10000", "--repeats", "2"], ["--tasks", "500", "--repeats", "1"]),
+    "rank_start": ("Forked ranks against cold ones", ["--repeats", "3"], ["--repeats", "1", "--steps", "10"]),
     "hf_trainer": ("Fine-tuning throughput against the Hugging Face Trainer", ["--steps", "12", "--warmup", "4", "--repeats", "2"],
                    ["--steps", "4", "--warmup", "2", "--repeats", "1"]),
 }

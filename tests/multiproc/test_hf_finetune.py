@@ -196,7 +196,10 @@ def test_lora_interrupted_and_resumed_matches_the_uninterrupted_run_bitwise(home
     from test_resume import run_and_interrupt
 
     spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=chat_data, engine=ENGINES[engine],
-                                                    adapter="lora: {r: 4, alpha: 8, dropout: 0.1}", packing="true"))
+                                                    adapter="lora: {r: 4, alpha: 8, dropout: 0.1}", packing="true")
+                 # 12 steps of this model take about 2 s: each sleeps 0.4 s more, so that the signal
+                 # sent after step 6 comes well before the last (the losses do not change)
+                 + "env: {ORCHESTRATE_FAULT_SLOW_STEP_S: '0.4'}\n")
     exp = run_and_interrupt(home, spec, 6)
     assert exp["state"] == "COMPLETED", exp
     ledger = Ledger.open(home / "ledger.db")
