@@ -35,7 +35,7 @@ BENCHES = {
     "overhead": ("Orchestration overhead on the step time", ["--steps", "300", "--repeats", "3", "--sizes", "1"],
                  ["--steps", "60", "--repeats", "1", "--sizes", "1"]),
     "ledger": ("The ledger", ["--tasks", "10000", "--repeats", "2"], ["--tasks", "500", "--repeats", "1"]),
-    "rank_start": ("Forked ranks against cold ones", ["--repeats", "3"], ["--repeats", "1", "--steps", "10"]),
+    "rank_start": ("Forked ranks against cold ones", ["--repeats", "4"], ["--repeats", "1", "--steps", "10"]),
     "hf_trainer": ("Fine-tuning throughput against the Hugging Face Trainer", ["--steps", "12", "--warmup", "4", "--repeats", "2"],
                    ["--steps", "4", "--warmup", "2", "--repeats", "1"]),
 }

@@ -16,6 +16,7 @@ the rank runs as ``python -m train_entry.worker TASK_DIR`` would.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -98,6 +99,9 @@ def fork(model_kind: str, engine_kind: str) -> int:
     warm_up(model_kind, engine_kind, _model(orders[0]["argv"][0]), cpu=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    # what the imports made is never collected in the ranks: no collection walks it (writing
+    # every object's header) and copies the pages the ranks would otherwise share
+    gc.freeze()
     signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     pids: dict[int, int] = {}
     try:
