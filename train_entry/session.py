@@ -20,6 +20,17 @@ from train_entry.env import rank_context
 from train_entry.heartbeat import Heartbeat, enable_stack_dumps
 
 
+# what a forked rank holds from its forker's start until its handlers are in
+# (train_entry.warm_rank): a checkpoint or dump signal sent while the node imports reaches
+# the handler instead of killing a rank that has not started; a stop still stops it
+HELD_UNTIL_SET_UP = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP})
+
+
+def release_held_signals() -> None:
+    """Deliver what was held (nothing, for a rank that was not forked)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_UNTIL_SET_UP)
+
+
 class CheckpointSignal:
     """The checkpoint signal (preemption, time limit) only sets a flag; the loop acts on it."""
 
@@ -42,12 +53,15 @@ class RankSession:
     checkpoint-signal flag. Raises ``contract.TaskConfigError`` when task.json cannot be read."""
 
     def __init__(self, task_dir: str | Path, env: Mapping[str, str] = os.environ):
-        self.task_dir = Path(task_dir)
-        self.cfg = contract.TaskConfig.load(self.task_dir)
-        self.ctx = rank_context(env)
-        self.hb = Heartbeat(self.task_dir, self.ctx, self.cfg.heartbeat.interval_s)
-        enable_stack_dumps(self.task_dir, self.ctx)
-        self.signal = CheckpointSignal(self.cfg.checkpoint.signal)
+        try:
+            self.task_dir = Path(task_dir)
+            self.cfg = contract.TaskConfig.load(self.task_dir)
+            self.ctx = rank_context(env)
+            self.hb = Heartbeat(self.task_dir, self.ctx, self.cfg.heartbeat.interval_s)
+            enable_stack_dumps(self.task_dir, self.ctx)
+            self.signal = CheckpointSignal(self.cfg.checkpoint.signal)
+        finally:
+            release_held_signals()
         self.hb.beat(0, contract.Phase.INIT, force=True)
 
     def finish(self, step: int) -> None:

@@ -27,9 +27,9 @@ import traceback
 
 from orchestrator.contract import envvars
 
+from train_entry.session import HELD_UNTIL_SET_UP
+
 WORKER = "train_entry.worker"
-# the signals the forker holds while it forks: one sent then reaches no half-made rank
-HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
 
 
 def warm_modules(model_kind: str, engine_kind: str, cpu: bool = False) -> list[str]:
@@ -95,6 +95,9 @@ def fork(model_kind: str, engine_kind: str) -> int:
     """The forker: every order read first (the agent writes them at once), then the imports,
     then a child per order. Returns in each child too, with that rank's exit code, so the
     child ends as a plain interpreter does (its exit handlers, its threads joined)."""
+    # held from here until each rank's handlers are in (train_entry.session): a checkpoint
+    # signal while the node imports must reach the ranks' handler, not kill the forker
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_UNTIL_SET_UP)
     orders = json.loads(sys.stdin.readline())
     warm_up(model_kind, engine_kind, _model(orders[0]["argv"][0]), cpu=True)
     sys.stdout.flush()
@@ -102,7 +105,6 @@ def fork(model_kind: str, engine_kind: str) -> int:
     # what the imports made is never collected in the ranks: no collection walks it (writing
     # every object's header) and copies the pages the ranks would otherwise share
     gc.freeze()
-    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     pids: dict[int, int] = {}
     try:
         for order in orders:
@@ -115,6 +117,9 @@ def fork(model_kind: str, engine_kind: str) -> int:
             os.kill(pid, signal.SIGKILL)
         print(f"orchestrate forker: cannot fork rank processes: {exc.strerror}", file=sys.stderr)
         return 1
+    for sig in signal.sigpending() & HELD_UNTIL_SET_UP:  # what came while importing: every rank gets it
+        for pid in pids.values():
+            os.kill(pid, sig)
     os.write(1, (json.dumps(pids) + "\n").encode())
     return 0
 
@@ -137,8 +142,7 @@ def _child(order: dict) -> int:
         os.close(fd)
         sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
-        become(order)
+        become(order)  # the held signals stay held until the rank's handlers are in
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:  # noqa: BLE001 - said in the rank's log, and the rank ends as failed to start

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -59,7 +61,9 @@ def test_forked_ranks_run_as_the_worker_and_the_agent_reaps_their_exit_codes(tmp
 
 def test_a_signal_sent_while_the_forker_imports_ends_every_rank_as_killed(tmp_path):
     got = agent(tmp_path, "term")
-    assert got["codes"] == [-15, -15] and got["pids"] == [], got  # none forked: both ended as the forker did
+    # held by the forker (or it died of it before holding any): every rank ends by it, none
+    # runs on as if it had not been sent
+    assert got["codes"] == [-15, -15], got
 
 
 def test_only_two_or_more_cpu_ranks_of_the_built_in_worker_are_forked():
@@ -68,3 +72,52 @@ def test_only_two_or_more_cpu_ranks_of_the_built_in_worker_are_forked():
     assert not forked.wanted("script", False, 2, {}) and not forked.wanted("command", False, 2, {})  # the user's, as written
     assert not forked.wanted("gpt", True, 2, {})  # CUDA and fork: not until measured on a GPU
     assert not forked.wanted("gpt", False, 2, {envvars.FORK_RANKS: "0"})
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _forker_of(agent: int) -> int | None:
+    for pid in _children(agent):
+        try:
+            if b"--fork" in open(f"/proc/{pid}/cmdline", "rb").read():
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def test_a_checkpoint_signal_while_the_node_imports_is_saved_on_not_died_of(home, tmp_path):
+    """A cold rank has its handler within a moment of starting; the forker imports for seconds
+    first. It holds the signal, and the ranks take it once their handlers are in: saved and
+    requeued, as a SLURM job signalled early in its start must be."""
+    from conftest import status_json, submit, wait_experiment, write
+    from orchestrator import contract
+    from orchestrator.ledger import Ledger
+
+    spec = write(tmp_path / "s.yaml", "name: early\nsteps: 20\nmodel: {n_layer: 1, d_model: 32, n_head: 2, seq_len: 16}\n"
+                 "resources: {tasks_per_node: 2}\nretry: {max_restarts: 0}\n")
+    exp_id = submit(home, str(spec), "--executor", "local")
+    run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
+    deadline = time.time() + 60
+    while (agent := (contract.read_json(os.path.join(run_dir, "local", "task-0.json")) or {}).get("pid")) is None \
+            or (forker := _forker_of(agent)) is None:
+        assert time.time() < deadline, "no forker seen"
+        time.sleep(0.01)
+    os.kill(agent, signal.SIGUSR2)  # the checkpoint signal, while the forker imports
+    time.sleep(0.3)  # the agent passes it on within 0.1 s
+    still_importing = os.path.exists(f"/proc/{forker}") and not _children(forker)
+    exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"})
+    assert exp["state"] == "COMPLETED", exp
+    attempts = Ledger.open(home / "ledger.db").attempts(exp_id, 0)
+    assert [a["state"] for a in attempts] == ["REQUEUED", "COMPLETED"], attempts
+    assert "saved on the checkpoint signal" in attempts[0]["reason"] and attempts[0]["restarts"] == 0, attempts[0]
+    assert still_importing, "the signal came after the forker had forked: this run did not test the import window"

@@ -51,7 +51,10 @@ NO_SCONTROL = ("setup: ['nos=$(mktemp -d -t orchestrate-noscontrol.XXXXXX)', 'ln
 def test_a_preempted_run_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, home, tmp_path, watcher, node_has_scontrol, preempt_reference):
     setup = "" if node_has_scontrol else NO_SCONTROL
     four_nodes = "{nodes: 4, tasks_per_node: 1, cpus_per_task: 1, partition: low, " + setup + "time: '00:10:00'}"
-    spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=PREEMPTED_STEPS, signal_before=120, resources=four_nodes))
+    # each step sleeps 0.1 s more (the losses do not change): the 120 steps after step 40 outlast
+    # SLURM's preemption on any machine (a CI machine did all 160 in 5 s, before it came)
+    spec = write(tmp_path / "p.yaml", SMALL.format(name="preempted", steps=PREEMPTED_STEPS, signal_before=120, resources=four_nodes)
+                 + "env: {ORCHESTRATE_FAULT_SLOW_STEP_S: '0.1'}\n")
     exp_id = submit(home, str(spec), "--executor", "slurm")
     watcher(exp_id)
     run_dir = status_json(home, exp_id)["experiments"][0]["run_dir"]
