@@ -60,10 +60,14 @@ def warm_up(model_kind: str, engine_kind: str, model: dict | None = None, cpu: b
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker imports it again and reports what fails
             pass
-    if cpu and engine_kind == "deepspeed" and "train_entry.engines.deepspeed" in sys.modules:
-        import torch
+    if cpu and engine_kind == "deepspeed":
+        try:
+            import torch
 
-        sys.modules["train_entry.engines.deepspeed"].skip_unneeded_op_builds(torch.device("cpu"))
+            from train_entry.engines.deepspeed import skip_unneeded_op_builds
+        except Exception:  # noqa: BLE001 - as above: the worker's import reports it
+            return
+        skip_unneeded_op_builds(torch.device("cpu"))
 
 
 def become(order: dict) -> None:

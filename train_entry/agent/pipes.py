@@ -8,6 +8,8 @@ import select
 import subprocess
 import time
 
+WRITE_DEADLINE_S = 60.0  # for an order larger than the pipe's buffer (every rank's environment): the child reads it first
+
 
 def write_all(proc: subprocess.Popen, data: bytes, deadline_s: float) -> bool:
     """``data``, then the end of input; False when the child died or did not read it all

@@ -18,11 +18,10 @@ import time
 
 from orchestrator.contract.taskconfig import Retry
 
-from train_entry.agent.pipes import write_all
+from train_entry.agent.pipes import WRITE_DEADLINE_S, write_all
 
 WARM_KINDS = ("gpt", "hf", "entrypoint")  # the models the built-in worker runs
 START_AFTER_S = 5.0  # after the generation started, at the latest (sooner once its ranks train): past their imports by then
-ORDER_WRITE_S = 60.0  # an order larger than the pipe's buffer waits for the standby to read it: at most this
 
 
 class Standbys:
@@ -65,7 +64,7 @@ class Standbys:
         proc = self.procs.pop(local_rank, None)
         if proc is None or proc.poll() is not None:
             return None
-        if not write_all(proc, (json.dumps({"env": env, "argv": argv}) + "\n").encode(), ORDER_WRITE_S):
+        if not write_all(proc, (json.dumps({"env": env, "argv": argv}) + "\n").encode(), WRITE_DEADLINE_S):
             _end_all([proc])
             return None
         return proc
