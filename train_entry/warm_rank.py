@@ -27,7 +27,7 @@ import traceback
 
 from orchestrator.contract import envvars
 
-from train_entry.session import HELD_UNTIL_SET_UP
+from train_entry.session import HELD_UNTIL_SET_UP, release_held_signals
 
 WORKER = "train_entry.worker"
 
@@ -112,8 +112,11 @@ def fork(model_kind: str, engine_kind: str) -> int:
     pids: dict[int, int] = {}
     try:
         for order in orders:
+            came = signal.sigpending() & HELD_UNTIL_SET_UP  # a child is born with nothing pending: given again
             pid = os.fork()
             if pid == 0:
+                for sig in came:
+                    os.kill(os.getpid(), sig)  # held: taken once its handlers are in
                 return _child(order)
             pids[order["local_rank"]] = pid
     except OSError as exc:  # no memory or no process left for one more: none of them runs
@@ -121,7 +124,7 @@ def fork(model_kind: str, engine_kind: str) -> int:
             os.kill(pid, signal.SIGKILL)
         print(f"orchestrate forker: cannot fork rank processes: {exc.strerror}", file=sys.stderr)
         return 1
-    for sig in signal.sigpending() & HELD_UNTIL_SET_UP:  # what came while importing: every rank gets it
+    for sig in signal.sigpending() & HELD_UNTIL_SET_UP:  # what came while forking: every rank gets it
         for pid in pids.values():
             os.kill(pid, sig)
     os.write(1, (json.dumps(pids) + "\n").encode())
@@ -154,6 +157,10 @@ def _child(order: dict) -> int:
         from orchestrator.contract import ExitCode
 
         return ExitCode.INTERNAL_ERROR
+    finally:
+        # a rank that ends before its handlers were in takes what it held now, as a rank
+        # started from nothing would have: a stop sent during its start ends it by that signal
+        release_held_signals()
     return 0
 
 

@@ -13,7 +13,7 @@ NODE = "ORCHESTRATE_NODE"
 GENERATION = "ORCHESTRATE_GENERATION"
 DEEPSPEED_CONFIG = "ORCHESTRATE_DEEPSPEED_CONFIG"  # the rendered DeepSpeed JSON (engine kind deepspeed)
 RANK_STARTED = "ORCHESTRATE_RANK_STARTED"  # when a forked rank's imports began (in the node's forker): its start-up counts them
-FORK_RANKS = "ORCHESTRATE_FORK_RANKS"  # 1: a node's CPU ranks are forked after one import (off by default: a known hang, see agent/forked.py)
+FORK_RANKS = "ORCHESTRATE_FORK_RANKS"  # 0: a node's CPU ranks start each from nothing instead of forked after one import (agent/forked.py)
 TENSORBOARD_DIR = "ORCHESTRATE_TENSORBOARD_DIR"  # <task dir>/tensorboard: one folder for every launch of the task
 
 # set by the local executor's driver for each agent it starts (SLURM's own variables otherwise)

@@ -9,8 +9,13 @@ them as it would the ranks it started itself. Each ``ForkedRank`` answers as the
 
 Only for orchestrate's own worker on CPU ranks: a user's script or command is started as
 they wrote it, and a process that has touched CUDA must not fork (a GPU node starts its
-ranks cold until this is measured on one). Off unless ``ORCHESTRATE_FORK_RANKS=1``: a checkpoint signal during the forker's
-import can still leave the ranks unstarted (test_forked_ranks, xfail).
+ranks cold until this is measured on one). ``ORCHESTRATE_FORK_RANKS=0`` turns it off.
+
+Signals: the forker starts with the checkpoint, dump and stop signals already held (the
+agent blocks them around the start; a mask survives exec), so one sent while it starts or
+imports, by the agent or by SLURM to every process of the step, is never its death: each
+rank is forked with what came so far pending, and takes it once its handlers are in. A
+kill ends the forker and any rank it forked before it could say their pids.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from orchestrator.contract import ExitCode, envvars
 
 from train_entry.agent.pipes import WRITE_DEADLINE_S, write_all
 from train_entry.agent.standby import WARM_KINDS
+from train_entry.session import HELD_UNTIL_SET_UP
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def wanted(model_kind: str, on_gpu: bool, cold_ranks: int, env: Mapping[str, str] = os.environ) -> bool:
     """Worth a forker: two or more ranks of the built-in worker on CPU, not turned off."""
-    return cold_ranks >= 2 and model_kind in WARM_KINDS and not on_gpu and env.get(envvars.FORK_RANKS, "0") == "1"
+    return cold_ranks >= 2 and model_kind in WARM_KINDS and not on_gpu and env.get(envvars.FORK_RANKS, "1") != "0"
 
 
 _subreaper: bool | None = None
@@ -71,11 +77,16 @@ class ForkedRanks:
         started = str(time.time())
         for order in orders:
             order["env"] = {**order["env"], envvars.RANK_STARTED: started}
+        # held from its first instruction: a signal in the moment before the forker's own
+        # first line would otherwise kill it (SIGUSR2's default), and with it the launch
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_UNTIL_SET_UP)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "train_entry.warm_rank", "--fork", model_kind, engine_kind], env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         except OSError:
             return None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if not write_all(proc, (json.dumps(orders) + "\n").encode(), WRITE_DEADLINE_S):
             proc.kill()
             proc.wait()
@@ -93,21 +104,49 @@ class ForkedRanks:
             pids = {int(k): int(v) for k, v in json.loads(self.proc.stdout.read() or "null").items()}
         except (ValueError, AttributeError, OSError):
             pids = None
-        if rc != 0 or pids is None:
+        if pids is None:  # killed before it said (or it failed): a rank it forked must not run on unseen
             self.failed = rc if rc != 0 else int(ExitCode.INFRA_ERROR)
+            for pid in self._orphans():
+                _kill(pid, signal.SIGKILL)
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
             return
-        self.pids = pids
+        self.pids = pids  # even when it was killed after saying: they are the ranks, and the kill is in `sent`
         for sig in self.sent:
             for pid in pids.values():
                 _kill(pid, sig)
 
     def signal(self, local_rank: int, sig: int) -> None:
+        """Before the pids are known a signal is for every rank (the agent signals them all):
+        the forker holds it and passes it on as it forks (a kill ends it), and it is sent
+        again once the pids are known, for one that reached the forker after it had passed
+        on what it held (a rank may take a checkpoint or dump signal twice: harmless)."""
         self.refresh()
         if self.pids is not None:
             _kill(self.pids[local_rank], sig)
         elif self.failed is None:
-            self.sent.append(sig)  # the forker holds them while it forks, then they go to every rank
+            self.sent.append(sig)
             _kill(self.proc.pid, sig)
+
+    def _orphans(self) -> list[int]:
+        """This process's children that run the forker's command line but are not the forker:
+        ranks it forked before it died, handed to this subreaper."""
+        cmdline = b"\0".join(os.fsencode(a) for a in self.proc.args) + b"\0"
+        me, out = str(os.getpid()), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == self.proc.pid:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    ppid = fh.read().rsplit(b")", 1)[1].split()[1].decode()
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if ppid == me and fh.read() == cmdline:
+                        out.append(int(entry))
+            except (OSError, IndexError):
+                pass
+        return out
 
 
 class ForkedRank:
