@@ -209,7 +209,7 @@ def trainer_rank(raw: str) -> None:
 
     transformers.logging.set_verbosity_error()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    batches, collate = _orchestrate_rows(steps, rank, world)
+    batches, collate = _orchestrate_rows(steps, rank, world, Path(a["result"]).parent / "cache" / "data")  # orchestrate's default under this home
 
     class Stamps(transformers.TrainerCallback):
         def __init__(self):
@@ -244,18 +244,28 @@ def trainer_rank(raw: str) -> None:
                                                  "deepspeed": t.is_deepspeed_enabled, "wrapper": type(t.model_wrapped).__name__}))
 
 
-def _orchestrate_rows(steps: int, rank: int, world: int):
+def _orchestrate_rows(steps: int, rank: int, world: int, cache: Path):
     """(the row indices orchestrate's sampler gives this rank, step by step; the collate that
-    makes them the Trainer's batches, with the labels unshifted again: the model shifts them)."""
+    makes them the Trainer's batches, with the labels unshifted again: the model shifts them).
+    The rows come from the same prepared cache entry orchestrate's own run used."""
+    import numpy as np
     import torch
     import transformers
 
     from train_entry.data import Sampler
+    from train_entry.dataprep import ranks, store
     from train_entry.hf import chat, load
 
+    class Quiet:
+        def beat(self, *a, **k):
+            pass
+
+        def event(self, *a, **k):
+            pass
+
     tok = transformers.AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
-    examples, _ = chat.load_examples(tok, str(DATA), "chat", MAX_LENGTH)
-    packed = chat.Packed(examples, MAX_LENGTH, load.pad_id(tok))
+    ex = ranks.find_or_prepare(ranks.Source([str(DATA)], "chat"), tok, str(cache), Quiet(), lambda line: None)
+    packed = store.Packed(ex, store.usable(ex, np.arange(len(ex)), MAX_LENGTH), MAX_LENGTH, load.pad_id(tok))
     sampler = Sampler(len(packed), SEED, MICRO_BATCH, 1, world, rank)
     batches = [sampler.indices(step, 0) for step in range(steps)]
 

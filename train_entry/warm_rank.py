@@ -40,7 +40,7 @@ def warm_modules(model_kind: str, engine_kind: str, cpu: bool = False) -> list[s
     if engine_kind in ("ddp", "fsdp") or (engine_kind == "deepspeed" and cpu):
         mods.append(f"train_entry.engines.{engine_kind}")
     if model_kind == "hf":
-        mods += ["transformers", "peft", "train_entry.hf"]
+        mods += ["transformers", "peft", "train_entry.hf", "pyarrow", "train_entry.dataprep.ranks"]
     return mods
 
 

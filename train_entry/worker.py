@@ -97,7 +97,7 @@ def build(session: RankSession, device):
     if cfg.model["kind"] == "hf":
         from train_entry import hf
 
-        workload = hf.build(cfg, log=lambda line: ctx.rank == 0 and print(line, flush=True))
+        workload = hf.build(cfg, session.task_dir, ctx, session.hb, log=lambda line: ctx.rank == 0 and print(line, flush=True))
     else:
         workload = build_workload(cfg.model, cfg.data)
     engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only)

@@ -28,6 +28,7 @@ COMMANDS = {
     "cancel": "orchestrator.cli.control_cmds:cmd_cancel",
     "watch": "orchestrator.cli.control_cmds:cmd_watch",
     "ckpt": "orchestrator.cli.ckpt_cmd:cmd_ckpt",
+    "data": "orchestrator.cli.data_cmd:cmd_data",
 }
 
 

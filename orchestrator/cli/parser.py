@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_watch(sub)
     _add_read_commands(sub)
     _add_ckpt(sub)
+    _add_data(sub)
     _add_cancel(sub)
     return p
 
@@ -120,6 +121,26 @@ def _add_ckpt(sub) -> None:
     c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoints folder")
     c.add_argument("--keep", type=int, required=True, metavar="K")
     c.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+
+
+def _add_data(sub) -> None:
+    sp = sub.add_parser("data", help="prepare (tokenize once), list and remove the data sets every experiment shares")
+    dt = sp.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    c = dt.add_parser("prepare", help="tokenize a spec's data into the cache now, on this machine, with a progress bar; "
+                      "prints the cache's path, size, and its record, token and truncation counts")
+    _spec_args(c)
+    c.add_argument("--processes", type=int, metavar="N", help="tokenizing processes (default: one per core, fewer for small data)")
+    c.add_argument("--json", action="store_true")
+    for name, helptext in (("list", "every prepared data set: key, records, tokens, size, input"),
+                           ("rm", "remove prepared data sets (a run that needs one again prepares it again)")):
+        c = dt.add_parser(name, help=helptext)
+        c.add_argument("--cache", metavar="DIR", help="the cache folder (default: $ORCHESTRATE_HOME/cache/data, "
+                       "where data.cache_dir points unless a spec sets it)")
+        if name == "list":
+            c.add_argument("--json", action="store_true")
+        else:
+            c.add_argument("keys", nargs="*", metavar="KEY")
+            c.add_argument("--all", action="store_true", help="every prepared data set in the cache")
 
 
 def _add_cancel(sub) -> None:

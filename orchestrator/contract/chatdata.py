@@ -9,7 +9,6 @@ and one assistant turn. Errors name the file and the line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Iterator
@@ -73,13 +72,6 @@ def read_records(path: str | Path, fmt: str) -> Iterator[tuple[int, list[dict]]]
 
 
 def held_out_count(n: int, fraction: float) -> int:
-    """How many of n records ``split_eval`` holds out (the login node checks both sides)."""
+    """How many of n records the trainer's split holds out (``train_entry.dataprep.store.held_out``;
+    the login node checks both sides)."""
     return max(1, round(n * fraction)) if n > 1 else 0
-
-
-def split_eval(n: int, fraction: float, seed: int = 0) -> set[int]:
-    """Positions (0-based, of n records) held out for evaluation: a fixed function of the
-    record's position and the seed, so every rank and every launch agrees."""
-    k = held_out_count(n, fraction)
-    ranked = sorted(range(n), key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).digest())
-    return set(ranked[:k])

@@ -166,6 +166,11 @@ def generation_dumped_path(ldir: PathLike, generation: int, node_rank: int) -> P
 GENERATION_END_GLOB = "gen-*.end.json"
 
 
+def data_handoff_path(ldir: PathLike, generation: int) -> Path:
+    """Rank 0's word to the other ranks of a generation: the prepared data entries to open."""
+    return Path(ldir) / f"gen-{generation}.data.json"
+
+
 def stacks_dir(ldir: PathLike) -> Path:
     return Path(ldir) / "stacks"
 

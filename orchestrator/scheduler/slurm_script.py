@@ -95,10 +95,10 @@ def container_mounts(plan: Plan) -> list[str]:
     paths = [str(plan.run_dir)]
     for spec in [plan.spec, *(t.spec for t in plan.tasks if t.spec is not None)]:
         model, data = spec.model, spec.data
-        for section, key in ((model, "path"), (data, "path"), (data, "eval_path"), (model, "script"), (model, "cwd")):
+        for section, key in ((model, "path"), (data, "path"), (data, "eval_path"), (data, "cache_dir"), (model, "script"), (model, "cwd")):
             value = getattr(section, key, None)
             if isinstance(value, str) and value.startswith("/"):
-                paths.append(value if key in ("cwd",) or os.path.isdir(value) else os.path.dirname(value))
+                paths.append(value if key in ("cwd", "cache_dir") or os.path.isdir(value) else os.path.dirname(value))
     for p in paths:
         try:
             slurmtext.mount_text(p)

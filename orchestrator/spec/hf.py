@@ -113,6 +113,11 @@ class JsonlData(Strict):
         "and no example attends to another."
     )
     eval_path: str | None = Field(None, min_length=1, description="Held-out records for evaluation (same format).")
+    cache_dir: str | None = Field(
+        None, min_length=1, description="Where the records, once tokenized, are kept as memory-mapped Arrow, shared by "
+        "every experiment, sweep task and restart on the same content and tokenizer (`orchestrate data` lists them); "
+        "read and written from the compute nodes. Relative to the spec's folder. Default: `$ORCHESTRATE_HOME/cache/data`."
+    )
     eval_fraction: float | None = Field(
         None, gt=0, lt=1, strict=True, description="Hold out this fraction of `path` for evaluation instead (a deterministic choice)."
     )

@@ -81,7 +81,7 @@ class Container(Strict):
     mounts: slurmtext.Mounts = Field(
         default_factory=list,
         description="Extra bind mounts, `/host/path[:/container/path[:options]]`. The run folder and the folders of "
-        "model.path, data.path, data.eval_path, model.script and model.cwd are mounted at their own paths already.",
+        "model.path, data.path, data.eval_path, data.cache_dir, model.script and model.cwd are mounted at their own paths already.",
     )
 
 

@@ -8,7 +8,8 @@ file), tokenizer files and a chat template; transformers can build the model fro
 config (on the meta device: no weights are read) with the spec's attention kernel; each
 LoRA/QLoRA target module is a linear layer of it; ``data.max_length`` fits its positions.
 For ``data: {kind: jsonl}``: ``path`` and ``eval_path`` exist and every line is a valid
-record (streamed, one line at a time, the same reader the trainer uses), and
+record (streamed, one line at a time, the same reader the trainer uses; a file whose
+content is prepared in the data cache already was checked then, and is not read again), and
 ``eval_fraction`` leaves at least one record on each side.
 
 Every problem found is reported at once, each with the spec file, line and field (and
@@ -23,7 +24,7 @@ import json
 import logging
 from pathlib import Path
 
-from orchestrator.contract import chatdata
+from orchestrator.contract import chatdata, datacache
 from orchestrator.errors import SpecError, SpecIssue
 from orchestrator.spec import shown, yamlsrc
 
@@ -130,9 +131,9 @@ class _Checker:
 
     def data(self, d) -> list[Problem]:
         problems = []
-        n = self._count(d.path, d.format, ("data", "path"), problems)
+        n = self._count(d.path, d.format, ("data", "path"), problems, d.cache_dir)
         if d.eval_path:
-            m = self._count(d.eval_path, d.format, ("data", "eval_path"), problems)
+            m = self._count(d.eval_path, d.format, ("data", "eval_path"), problems, d.cache_dir)
             if m == 0:
                 problems.append((("data", "eval_path"), f"no records in '{d.eval_path}': nothing to evaluate on"))
         if n == 0:
@@ -145,15 +146,33 @@ class _Checker:
                                  "records, another fraction, or data.eval_path"))
         return problems
 
-    def _count(self, path: str, fmt: str, field: Field, problems: list) -> int | None:
+    def _count(self, path: str, fmt: str, field: Field, problems: list, cache_dir: str | None = None) -> int | None:
         """Valid records in the file, or None after adding its problem."""
         key = (path, fmt)
         if key not in self._records:
-            self._records[key] = count_records(path, fmt)
+            known = prepared_count(path, fmt, cache_dir) if cache_dir else None
+            self._records[key] = (known, None) if known is not None else count_records(path, fmt)
         n, problem = self._records[key]
         if problem:
             problems.append((field, problem))
         return n
+
+
+def prepared_count(path: str, fmt: str, cache_dir: str) -> int | None:
+    """The records of a file whose content was prepared already (every record was checked
+    then): its digest remembered for this very file, an entry of that content and format.
+    None when not known: the file is read line by line."""
+    digest = datacache.remembered_digest(cache_dir, path)
+    if digest is None:
+        return None
+    for entry in datacache.entries(cache_dir):
+        man = entry.get("manifest") or {}
+        inputs = man.get("inputs") or []
+        records = (man.get("counts") or {}).get("records")
+        if [i.get("digest") for i in inputs if isinstance(i, dict)] == [digest] and man.get("format_of_records") == fmt \
+                and isinstance(records, int) and records >= 0:
+            return records
+    return None
 
 
 def count_records(path: str, fmt: str) -> tuple[int | None, str | None]:

@@ -39,9 +39,11 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
     if spec.model.kind == "command":
         _command_paths(spec.model, here, raw, lines, str(spec_path))
     _absolute_paths(spec, here, raw)
+    _data_cache(spec, home, raw)
     tasks = expand(spec, raw, lines, str(spec_path))
     for t in tasks:  # a sweep may set them too
         _absolute_paths(t.spec, here)
+        _data_cache(t.spec, home)
         if t.spec.model.kind == "command":
             _command_paths(t.spec.model, here, None, lines, str(spec_path))
     executor = executor or default_executor()
@@ -104,9 +106,9 @@ def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str
 
 
 def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:
-    """model.path, data.path and data.eval_path absolute, as the compute nodes need them
+    """model.path, data.path, data.eval_path and data.cache_dir absolute, as the compute nodes need them
     (relative ones are taken from the spec's folder)."""
-    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
+    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"), ("data", "cache_dir")):
         obj = getattr(spec, section)
         if obj.kind in ("hf", "jsonl") and getattr(obj, key, None):
             absolute = str(_local_path(here, getattr(obj, key)))
@@ -115,7 +117,21 @@ def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:
                 set_path(raw, (section, key), absolute)
 
 
+def _data_cache(spec, home: Path, raw: dict | None = None) -> None:
+    """data.cache_dir where none is given: the home's, shared by every experiment."""
+    if spec.data.kind == "jsonl" and not spec.data.cache_dir:
+        spec.data.cache_dir = str((home / "cache" / "data").resolve())
+        if raw is not None:
+            set_path(raw, ("data", "cache_dir"), spec.data.cache_dir)
+
+
 def write_run_folder(plan: Plan) -> None:
+    for spec in [plan.spec, *(t.spec for t in plan.tasks if t.spec is not None)]:
+        if getattr(spec.data, "cache_dir", None):
+            try:  # there before any rank looks (and for a container to mount)
+                Path(spec.data.cache_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserError(f"data.cache_dir: cannot create '{spec.data.cache_dir}': {exc.strerror or exc}") from None
     try:
         plan.run_dir.mkdir(parents=True, exist_ok=False)
     except OSError as exc:

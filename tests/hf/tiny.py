@@ -24,7 +24,7 @@ def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for b in pre_tokenizers.ByteLevel.alphabet():
+    for b in sorted(pre_tokenizers.ByteLevel.alphabet()):  # a set: its order changes with each process
         vocab.setdefault(b, len(vocab))
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -28,61 +28,43 @@ def chat_data(tmp_path_factory) -> Path:
     return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=64)
 
 
-# ---------------------------------------------------------------- data: masking and packing
+# ---------------------------------------------------------------- data: packing (masking: tests/unit/test_dataprep.py)
 
 
-def _examples(n=6, max_length=64):
-    from train_entry.hf import chat
+def _examples(cache, n=6):
+    from train_entry.dataprep import ranks
+
+    class Quiet:
+        def beat(self, *a, **k):
+            pass
+
+        def event(self, *a, **k):
+            pass
 
     tok = tiny.tokenizer()
     path = tiny.make_chat_data(Path(tempfile.mkdtemp()) / "d.jsonl", n=n, seed=3)
-    examples, stats = chat.load_examples(tok, str(path), "chat", max_length)
-    return tok, examples, stats
+    return tok, ranks.find_or_prepare(ranks.Source([str(path)], "chat"), tok, str(cache), Quiet(), lambda line: None)
 
 
-def test_only_the_answer_tokens_carry_loss():
-    from train_entry.hf.chat import IGNORE
-
-    tok, examples, _ = _examples()
-    for ex in examples:
-        text = tok.decode(ex.input_ids)
-        answer = text.split("<|im_start|>assistant\n")[1]
-        # labels are shifted: label i is the token at i + 1
-        targets = [ex.input_ids[i + 1] for i, lab in enumerate(ex.labels) if lab != IGNORE]
-        assert tok.decode(targets) == answer, (text, tok.decode(targets))
-        assert all(lab == IGNORE or lab == ex.input_ids[i + 1] for i, lab in enumerate(ex.labels))
-
-
-def test_truncation_is_counted_and_an_example_without_answer_left_out(tmp_path):
-    from train_entry.hf import chat
-
-    tok = tiny.tokenizer()
-    path = tmp_path / "d.jsonl"
-    long = {"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "yes"}]}
-    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a longer answer"}]}
-    path.write_text(json.dumps(long) + "\n" + json.dumps(short) + "\n")
-    examples, stats = chat.load_examples(tok, str(path), "chat", 32)
-    assert stats == {"records": 2, "examples": 1, "truncated": 2, "dropped": 1}
-    assert len(examples[0].input_ids) == 32
-
-
-def test_packed_rows_give_each_example_the_loss_it_has_alone(tiny_model):
+def test_packed_rows_give_each_example_the_loss_it_has_alone(tiny_model, tmp_path):
     """Position ids restart per example and no example attends to another: the per-token
     losses of a packed row are those of each example run alone."""
+    import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from train_entry.hf import chat
+    from train_entry.dataprep import store
 
-    tok, examples, _ = _examples(n=8, max_length=48)
+    tok, ex = _examples(tmp_path / "cache", n=8)
+    idx = store.usable(ex, np.arange(len(ex)), 128)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     model.config.use_cache = False
     model.eval()
-    packed = chat.Packed(examples, 128, tok.pad_token_id)
-    assert len(packed) < len(examples)  # several examples share a row
+    packed, rows = store.Packed(ex, idx, 128, tok.pad_token_id), store.Rows(ex, idx, 128, tok.pad_token_id)
+    assert len(packed) < len(idx)  # several examples share a row
     with torch.no_grad():
         alone = []
-        for ex in examples:
-            inputs, labels = chat.Rows([ex], tok.pad_token_id).collate([ex])
+        for e in idx.tolist():
+            inputs, labels = rows.collate([e])
             logits = model(**inputs).logits
             alone.append(torch.nn.functional.cross_entropy(logits[0].float(), labels[0], ignore_index=-100, reduction="none"))
         together = []
@@ -92,20 +74,13 @@ def test_packed_rows_give_each_example_the_loss_it_has_alone(tiny_model):
             logits = model(**inputs).logits
             per_token = torch.nn.functional.cross_entropy(logits[0].float(), labels[0], ignore_index=-100, reduction="none")
             at = 0
-            for ex in packed[r]:
-                together.append(per_token[at : at + len(ex.input_ids)])
-                at += len(ex.input_ids)
+            for e in packed[r]:
+                k = len(ex.tokens(e, 128)[0])
+                together.append(per_token[at : at + k])
+                at += k
     assert len(together) == len(alone)
     for a, b in zip(alone, together):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
-
-
-def test_eval_split_is_deterministic_and_disjoint():
-    from orchestrator.contract.chatdata import split_eval
-
-    a, b = split_eval(100, 0.2, seed=1), split_eval(100, 0.2, seed=1)
-    assert a == b and len(a) == 20
-    assert split_eval(100, 0.2, seed=2) != a
 
 
 def test_the_examples_batched_answers_are_the_one_at_a_time_answers(tiny_model):
@@ -212,6 +187,11 @@ def test_lora_interrupted_and_resumed_matches_the_uninterrupted_run_bitwise(home
     assert [a["state"] for a in ledger.attempts(exp["id"], 1)] == ["REQUEUED", "COMPLETED"]
     verified = [e["cause"] for e in ledger.events(exp["id"]) if e["idx"] == 1 and e["kind"] == "checkpoint.verified"]
     assert len(verified) == 1 and "bitwise, same world size" in verified[0], verified  # adapters' fingerprint, and the loss
+    # the data was tokenized once: by one task while the other waited (or found it done), and the
+    # requeued launch reused it
+    data = [(e["idx"], e["kind"]) for e in ledger.events(exp["id"]) if e["kind"] in ("data.prepared", "data.waited", "data.reused")]
+    assert [k for _, k in data].count("data.prepared") == 1 and [k for i, k in data if i == 1][-1] == "data.reused", data
+    assert len([k for i, k in data if i == 1]) == 2, data  # each launch of the interrupted task said which
     # LoRA checkpoints hold the adapters only: the frozen base comes from the model folder
     _, ckpt = contract.committed_checkpoints(contract.task_dir(exp["run_dir"], 1))[0]
     assert json.loads((ckpt / "hf.json").read_text())["adapter"]["r"] == 4

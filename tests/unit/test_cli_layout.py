@@ -31,7 +31,7 @@ def test_the_entry_point_imports_only_the_standard_library():
 
 def test_every_command_has_a_handler():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert list(sub.choices) == ["validate", "schema", "plan", "submit", "watch", "status", "logs", "events", "report", "ckpt", "cancel"]
+    assert list(sub.choices) == ["validate", "schema", "plan", "submit", "watch", "status", "logs", "events", "report", "ckpt", "data", "cancel"]
     assert set(sub.choices) == set(COMMANDS)
     for command in COMMANDS:
         assert callable(handler(command)), command

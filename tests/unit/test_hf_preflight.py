@@ -125,13 +125,14 @@ def test_a_valid_spec_passes(home, tmp_path, tiny_model, chat_data):
 
 
 def test_eval_fraction_must_leave_a_record_on_each_side(tmp_path):
-    from orchestrator.contract.chatdata import held_out_count, split_eval
+    from orchestrator.contract.chatdata import held_out_count
     from orchestrator.spec.hf import JsonlData
     from orchestrator.submit.preflight import _Checker
+    from train_entry.dataprep.store import held_out
 
     for n in range(1, 12):  # the count the trainer's split holds out
         for f in (0.01, 0.3, 0.5, 0.9, 0.99):
-            assert held_out_count(n, f) == len(split_eval(n, f))
+            assert held_out_count(n, f) == len(held_out(n, f, 0))
 
     def problems(n, fraction):
         data = lines_of(tmp_path / f"d{n}.jsonl", *[GOOD] * n)

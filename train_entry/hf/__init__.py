@@ -9,29 +9,44 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from orchestrator import contract
+from train_entry.errors import UserCodeError
 
 
-def build(cfg: contract.TaskConfig, log=print) -> Any:
+def build(cfg: contract.TaskConfig, task_dir, ctx, hb, log=print) -> Any:
+    """The workload of a rank; ``log`` prints on rank 0 only."""
+    from train_entry.dataprep import ranks, store
     from train_entry.hf import chat, load
     from train_entry.models import Workload
 
     m, d = cfg.model, cfg.data
     tok = load.load_tokenizer(m)
     pad = load.pad_id(tok)
-    records, held = chat.read_records(d["path"], d["format"]), None
-    if d.get("eval_fraction"):
-        records, held = chat.split(records, d["eval_fraction"], cfg.seed)
-    elif d.get("eval_path"):
-        held = chat.read_records(d["eval_path"], d["format"])
-    train, stats = chat.tokenize(tok, records, d["path"], d["max_length"])
-    evals = chat.Rows(chat.tokenize(tok, held, d.get("eval_path") or d["path"], d["max_length"])[0], pad) if held else None
-    dataset = chat.Packed(train, d["max_length"], pad) if d["packing"] else chat.Rows(train, pad)
+    sources = {"train": ranks.Source([d["path"]], d["format"])}
+    if d.get("eval_path"):
+        sources["eval"] = ranks.Source([d["eval_path"]], d["format"])
+    sets = ranks.open_sets(sources, tok, d["cache_dir"], task_dir, ctx, hb, log)
+    train, n = sets["train"], len(sets["train"])
+    held = store.held_out(n, d["eval_fraction"], cfg.seed) if d.get("eval_fraction") else None
+    indices = np.arange(n, dtype=np.int64) if held is None else np.setdiff1d(np.arange(n, dtype=np.int64), held)
+    kept = store.usable(train, indices, d["max_length"])
+    if not len(kept):
+        raise UserCodeError(f"{d['path']}: no example has an answer token within data.max_length ({d['max_length']})")
+    evals = None
+    if held is not None or "eval" in sets:
+        source = train if held is not None else sets["eval"]
+        evals = store.Rows(source, store.usable(source, held if held is not None else np.arange(len(source), dtype=np.int64),
+                                                d["max_length"]), d["max_length"], pad)
+    cls = store.Packed if d["packing"] else store.Rows
+    dataset = cls(train, kept, d["max_length"], pad)
+    truncated = int((train.lengths[indices] > d["max_length"]).sum())
     model, keep = load.load_model(m, cfg.seed, cfg.deepspeed_config, cfg.engine["activation_checkpointing"])
-    log(f"{d['path']}: {stats['records']} records -> {stats['examples']} examples"
+    log(f"{d['path']}: {len(indices)} records -> {len(kept)} examples"
         + (f" in {len(dataset)} packed rows" if d["packing"] else "")
-        + (f", {stats['truncated']} truncated to {d['max_length']} tokens" if stats["truncated"] else "")
-        + (f", {stats['dropped']} left out (no answer token within max_length)" if stats["dropped"] else "")
+        + (f", {truncated} truncated to {d['max_length']} tokens" if truncated else "")
+        + (f", {len(indices) - len(kept)} left out (no answer token within max_length)" if len(kept) < len(indices) else "")
         + f"; {load.describe(model)}")
     return Workload(
         model, dataset, chat.causal_lm_loss, tokens_per_sample=dataset.tokens_per_sample,
