@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer]
+    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -38,6 +38,8 @@ BENCHES = {
     "rank_start": ("Forked ranks against cold ones", ["--repeats", "4"], ["--repeats", "1", "--steps", "10"]),
     "hf_trainer": ("Fine-tuning throughput against the Hugging Face Trainer", ["--steps", "12", "--warmup", "4", "--repeats", "2"],
                    ["--steps", "4", "--warmup", "2", "--repeats", "1"]),
+    "data_scale": ("Data at scale: prepared once, memory-mapped", ["--sizes", "10000,100000,1000000", "--e2e"],
+                   ["--sizes", "2000,10000", "--before-max", "2000", "--peer-max", "2000"]),
 }
 
 
@@ -57,7 +59,7 @@ def main() -> int:
         t0 = time.time()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         out = subprocess.run([python(), str(REPO / "bench" / f"{name}.py"), "--json", *(quick if args.quick else full)],
-                             cwd=REPO, capture_output=True, text=True, timeout=3600)
+                             cwd=REPO, capture_output=True, text=True, timeout=7200)
         if out.returncode != 0:  # the others still run, and what they measured is written
             print(f"bench: {name} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
             failed.append(name)

@@ -76,8 +76,9 @@ def _nodes(last: dict, task: dict) -> list[str]:
     return [n for n in nodes.split(",") if n]
 
 
-def task_document(t: dict, mine: list[dict], now: float) -> dict:
-    """One task of the status document; every value of its type, or None."""
+def task_document(t: dict, mine: list[dict], now: float, preparing: dict | None = None) -> dict:
+    """One task of the status document; every value of its type, or None. ``preparing``:
+    the task's newest data-preparation progress event, said as its reason until it trains."""
     last = mine[-1] if mine else {}
     ended = last.get("state") not in (None, "PENDING", "RUNNING", "COMPLETED")
     heartbeat_at = _number(t.get("heartbeat_at"))
@@ -96,10 +97,18 @@ def task_document(t: dict, mine: list[dict], now: float) -> dict:
         "nodes": _nodes(last, t),
         "job_id": _str(last.get("job_id")),
         "checkpoint": _str(t.get("checkpoint")),
-        "reason": _str(t.get("reason") or (last.get("reason") if ended else None)
-                       or ("waiting for room in the queue" if not mine and t.get("state") == "PENDING" else None)),
+        "reason": _str(_reason(t, mine, last if ended else {}, preparing)),
         "failure": _str(last.get("failure")) if ended else None,
     }
+
+
+def _reason(t: dict, mine: list[dict], ended_attempt: dict, preparing: dict | None) -> Any:
+    reason = t.get("reason") or ended_attempt.get("reason")
+    if not reason and not mine and t.get("state") == "PENDING":
+        return "waiting for room in the queue"
+    if not reason and preparing and t.get("state") == "RUNNING" and _number(t.get("step")) is None:
+        return preparing.get("cause")  # "preparing data: N of M records tokenized (P%)"
+    return reason
 
 
 def status_document(ledger: Ledger, experiments: list[dict], now: float | None = None) -> dict:
@@ -110,7 +119,8 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
         attempts: dict[int, list[dict]] = {}
         for a in ledger.attempts(exp["id"]):
             attempts.setdefault(a["idx"], []).append(a)
-        tasks = [task_document(t, attempts.get(t["idx"], []), now) for t in ledger.tasks(exp["id"])]
+        preparing = ledger.newest_task_events(exp["id"], "data.progress")
+        tasks = [task_document(t, attempts.get(t["idx"], []), now, preparing.get(t["idx"])) for t in ledger.tasks(exp["id"])]
         out.append(
             {
                 "name": exp["name"],

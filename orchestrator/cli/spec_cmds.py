@@ -15,8 +15,10 @@ from orchestrator.submit import submission
 
 def cmd_validate(args) -> int:
     home = access.home_dir(args.home)
-    plan = submission.make_plan(args.spec, args.overrides, "local", home)
+    plan = submission.make_plan(args.spec, args.overrides, "local", home, purpose="validate")
     print(f"{args.spec}: valid, {len(plan.tasks)} task(s), world size {plan.resources.world_size} each")
+    for note in plan.skipped:
+        print(f"  not checked: {note}")
     if args.explain:
         stdout_console().print(render.sources_table(plan.sources))
     return 0
@@ -36,7 +38,7 @@ def cmd_schema(args) -> int:
 
 def cmd_plan(args) -> int:
     home = access.home_dir(args.home)
-    plan = submission.make_plan(args.spec, args.overrides, "local", home)
+    plan = submission.make_plan(args.spec, args.overrides, "local", home, purpose="plan")
     tasks = {t.index: t for t in plan.tasks}
     if args.task not in tasks:
         raise UserError(f"--task {args.task}: the sweep has tasks 0..{len(tasks) - 1}")
@@ -53,8 +55,11 @@ def cmd_plan(args) -> int:
     setting = memory_inputs.setting_of(spec, args.nodes, args.gpus_per_node, gpu_memory)
     doc = memory_plan.plan(memory_inputs.shape_of(spec), setting)
     doc["spec_engine"] = memory_inputs.candidate_of(spec.engine)
+    doc["not_checked"] = list(plan.skipped)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         stdout_console().print(*render.memory_plan_tables(doc))
+        for note in plan.skipped:
+            print(f"not checked: {note}")
     return 0

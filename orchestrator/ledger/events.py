@@ -42,3 +42,9 @@ class Events(LedgerCore):
         rows = self._select("events", f"experiment_id = ? and kind in ({', '.join('?' * len(kinds))})", [exp_id, *kinds],
                             order_by="id desc limit 1")
         return rows[0] if rows else None
+
+    def newest_task_events(self, exp_id: str, kind: str) -> dict[int, dict]:
+        """Each task's newest event of ``kind``, by task index."""
+        rows = self._select("events", "id in (select max(id) from events where experiment_id = ? and kind = ? and idx is not null "
+                            "group by idx)", [exp_id, kind], order_by="id")
+        return {r["idx"]: r for r in rows}

@@ -37,6 +37,8 @@ class Plan:
     tasks: list[PlannedTask] = field(default_factory=list)
     # the defaults files under the spec and where each value came from (``layers.explain``)
     sources: dict = field(default_factory=dict)
+    # checks the preflight left out, and why (``validate`` and ``plan`` of a model folder with config.json only)
+    skipped: tuple[str, ...] = ()
 
     def summary(self) -> dict:
         r = self.resources

@@ -48,16 +48,27 @@ class PreflightError(SpecError):
         self.args = (head + "\n" + "\n".join("  " + i.render() for i in self.issues),)
 
 
-def check(plan, lines: dict, source: str) -> None:
-    """Raise PreflightError listing every problem of every task's model and data."""
+def check(plan, lines: dict, source: str, model_files: bool = True, data: bool = True) -> list[str]:
+    """Raise PreflightError listing every problem of every task's model and data; return
+    what was not checked. ``model_files=False``: a model folder's weights and tokenizer
+    may be absent (planning from config.json alone); ``data=False``: no data file is read."""
     checker = _Checker()
     problems: list[Problem] = []
+    skipped: dict[str, None] = {}
     for task in plan.tasks:
         spec = task.spec or plan.spec
         if spec.model.kind == "hf":
-            problems += checker.model(spec.model, spec.data)
+            found, for_training = checker.model(spec.model, spec.data)
+            problems += found
+            if model_files:
+                problems += for_training
+            else:
+                skipped.update(dict.fromkeys(f"{message} (submit checks it)" for _, message in for_training))
         if spec.data.kind == "jsonl":
-            problems += checker.data(spec.data)
+            if data:
+                problems += checker.data(spec.data)
+            else:
+                skipped[f"the records of {spec.data.path} (plan reads no data; validate and submit check every line)"] = None
     seen, issues = set(), []
     for field, message in problems:  # a sweep repeats the same problem in every task
         if (field, message) not in seen:
@@ -65,6 +76,7 @@ def check(plan, lines: dict, source: str) -> None:
             issues.append(SpecIssue(shown.dotted(field), yamlsrc.line_of(lines, field), message, source))
     if issues:
         raise PreflightError(issues)
+    return list(skipped)
 
 
 class _Checker:
@@ -78,19 +90,20 @@ class _Checker:
 
     # ------------------------------------------------------------ model
 
-    def model(self, m, data) -> list[Problem]:
+    def model(self, m, data) -> tuple[list[Problem], list[Problem]]:
+        """(problems, problems of what only training needs: weights, tokenizer, chat template)."""
         key = (m.path, m.gguf_file)
         if key not in self._folders:
             self._folders[key] = folder_problems(m.path, m.gguf_file)
-        problems = list(self._folders[key])
+        problems, for_training = (list(p) for p in self._folders[key])
         if problems:
-            return problems  # transformers would only say the same less clearly
+            return problems, []  # transformers would only say the same less clearly
         built = self._meta(m)
         if built is None:
-            return problems
+            return problems, for_training
         model, shape, error = built
         if error:
-            return [(("model", "path"), f"'{m.path}': {error}")]
+            return [(("model", "path"), f"'{m.path}': {error}")], for_training
         adapter = m.adapter
         if adapter is not None:
             field = ("model", "qlora" if m.qlora is not None else "lora", "target_modules")
@@ -106,7 +119,7 @@ class _Checker:
         if data.kind == "jsonl" and shape.max_positions and data.max_length > shape.max_positions:
             problems.append((("data", "max_length"), f"{data.max_length} tokens is more than the model's "
                              f"{shape.max_positions} positions (config.json); lower data.max_length"))
-        return problems
+        return problems, for_training
 
     def _meta(self, m):
         """(meta model, its shape, error text) or None where transformers is not importable."""
@@ -196,33 +209,35 @@ def count_records(path: str, fmt: str) -> tuple[int | None, str | None]:
     return n, None
 
 
-def folder_problems(path: str, gguf_file: str | None) -> list[Problem]:
-    """What the model folder lacks, by looking at its files only (no transformers)."""
+def folder_problems(path: str, gguf_file: str | None) -> tuple[list[Problem], list[Problem]]:
+    """What the model folder lacks, by looking at its files only (no transformers): (what
+    even a plan needs: the folder and its config; what only training needs: weights,
+    tokenizer, chat template)."""
     folder, field = Path(path), ("model", "path")
     if not folder.exists():
-        return [(field, f"no folder '{folder}'; give {SAVE_HINT} (a relative path is taken from the spec's folder)")]
+        return [(field, f"no folder '{folder}'; give {SAVE_HINT} (a relative path is taken from the spec's folder)")], []
     if not folder.is_dir():
         return [(field, f"'{folder}' is a file, not a folder; give {SAVE_HINT}"
-                 + ("" if folder.suffix != ".gguf" else f", or its folder with model.gguf_file: {folder.name}"))]
+                 + ("" if folder.suffix != ".gguf" else f", or its folder with model.gguf_file: {folder.name}"))], []
     try:
         names = {p.name for p in folder.iterdir()}
     except OSError as exc:
-        return [(field, f"cannot list '{folder}': {exc.strerror or exc}")]
+        return [(field, f"cannot list '{folder}': {exc.strerror or exc}")], []
     if gguf_file:
         if gguf_file not in names:
             there = sorted(n for n in names if n.endswith(".gguf"))
             return [(("model", "gguf_file"), f"no file '{gguf_file}' in '{folder}'"
-                     + (f"; the GGUF files there: {', '.join(there)}" if there else "; there is no .gguf file there"))]
-        return []  # config, weights, tokenizer and chat template all come from the GGUF file
+                     + (f"; the GGUF files there: {', '.join(there)}" if there else "; there is no .gguf file there"))], []
+        return [], []  # config, weights, tokenizer and chat template all come from the GGUF file
     problems: list[Problem] = []
     if "config.json" not in names:
         gguf = sorted(n for n in names if n.endswith(".gguf"))
         hint = f"; to load a GGUF file set model.gguf_file (here: {', '.join(gguf)})" if gguf else ""
-        return [(field, f"'{folder}' has no config.json: not a Hugging Face model folder; give {SAVE_HINT}{hint}")]
+        return [(field, f"'{folder}' has no config.json: not a Hugging Face model folder; give {SAVE_HINT}{hint}")], []
     try:
         json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return [(field, f"'{folder / 'config.json'}' is not readable JSON ({exc})")]
+        return [(field, f"'{folder / 'config.json'}' is not readable JSON ({exc})")], []
     if not any(next(folder.glob(g), None) for g in WEIGHT_GLOBS):
         problems.append((field, f"'{folder}' has config.json but no weights (*.safetensors or pytorch_model*.bin); "
                          "save the model with save_pretrained"))
@@ -232,7 +247,7 @@ def folder_problems(path: str, gguf_file: str | None) -> list[Problem]:
     elif not has_chat_template(folder, names):
         problems.append((field, f"the tokenizer in '{folder}' has no chat template (records are rendered with it): add "
                          "'chat_template' to tokenizer_config.json or a chat_template.jinja file"))
-    return problems
+    return [], problems
 
 
 def has_chat_template(folder: Path, names: set[str]) -> bool:

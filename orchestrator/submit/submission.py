@@ -24,9 +24,12 @@ from orchestrator.submit import preflight
 from orchestrator.submit.plan import build_plan
 
 
-def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path) -> Plan:
+def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: Path, purpose: str = "submit") -> Plan:
     """The validated spec as a plan of tasks, its model folder and data files checked
-    (``preflight``); writes nothing."""
+    (``preflight``); writes nothing. ``purpose``: ``submit`` checks everything training
+    needs; ``validate`` and ``plan`` take a model folder with config.json alone (its
+    weights and tokenizer are skipped, and said in ``Plan.skipped``), and ``plan`` reads
+    no data file."""
     layers = defaults.read_layers(home)
     spec, raw, lines = load_spec(spec_path, overrides, layers)
     here = Path(spec_path).resolve().parent
@@ -59,10 +62,11 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
     sources = {"layers": [layer.describe() for layer in layers], "values": explain(raw, lines, str(spec_path))}
     plan = dataclasses.replace(plan, sources=sources)
     try:
-        preflight.check(plan, lines, str(spec_path))  # the model folder and data files, before anything is queued
+        # the model folder and data files, before anything is queued
+        skipped = preflight.check(plan, lines, str(spec_path), model_files=purpose == "submit", data=purpose != "plan")
     except preflight.PreflightError as exc:
         raise preflight.PreflightError([_blame_overrides(i, lines) for i in exc.issues]) from None
-    return plan
+    return dataclasses.replace(plan, skipped=tuple(skipped))
 
 
 def _local_path(here: Path, text: str) -> Path:

@@ -147,7 +147,12 @@ def test_eval_fraction_must_leave_a_record_on_each_side(tmp_path):
 def test_folder_checks(tmp_path, tiny_model):
     from orchestrator.submit.preflight import folder_problems
 
-    assert folder_problems(str(tiny_model), None) == []
+    def training(folder, gguf=None):  # what only training needs; nothing a plan needs is missing
+        needed, only_training = folder_problems(str(folder), gguf)
+        assert needed == []
+        return only_training
+
+    assert training(tiny_model) == []
     no_template = tmp_path / "plain"
     no_template.mkdir()
     for f in tiny_model.iterdir():
@@ -156,16 +161,38 @@ def test_folder_checks(tmp_path, tiny_model):
     cfg.pop("chat_template", None)
     (no_template / "tokenizer_config.json").write_text(json.dumps(cfg))
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
-    (msg,) = folder_problems(str(no_template), None)
+    (msg,) = training(no_template)
     assert "no chat template" in msg[1]
     (no_template / "tokenizer.json").unlink()
-    (msg,) = folder_problems(str(no_template), None)
+    (msg,) = training(no_template)
     assert "no tokenizer files" in msg[1]
     for f in no_template.glob("*.safetensors"):
         f.unlink()
-    assert any("no weights" in m for _, m in folder_problems(str(no_template), None))
-    (field, msg), = folder_problems(str(tiny_model), "model.gguf")
+    assert any("no weights" in m for _, m in training(no_template))
+    ((field, msg),), _ = folder_problems(str(tiny_model), "model.gguf")
     assert field == ("model", "gguf_file") and "no file 'model.gguf'" in msg
+    (needed,), _ = folder_problems(str(tmp_path / "absent"), None)
+    assert "no folder" in needed[1]
+
+
+def test_a_folder_with_config_json_alone_is_enough_to_plan_and_validate_not_to_submit(home, tmp_path, tiny_model, chat_data):
+    """Which engine fits a model is a question asked before its weights are downloaded."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((tiny_model / "config.json").read_bytes())
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: c\nsteps: 2\nmodel: {{kind: hf, path: {config_only}, lora: {{r: 4}}}}\n"
+                    f"data: {{kind: jsonl, path: {chat_data}}}\nresources: {{tasks_per_node: 2}}\n")
+    plan = cli("plan", str(spec), "--json", home=home)
+    assert plan.returncode == 0, plan.stderr
+    doc = json.loads(plan.stdout)
+    assert doc["not_checked"] and any("no weights" in n for n in doc["not_checked"]), doc["not_checked"]
+    assert any("plan reads no data" in n for n in doc["not_checked"])
+    valid = cli("validate", str(spec), home=home)
+    assert valid.returncode == 0 and "valid" in valid.stdout and "not checked:" in valid.stdout, valid.stdout + valid.stderr
+    assert "no tokenizer files" in valid.stdout and "(submit checks it)" in valid.stdout
+    sub = cli("submit", str(spec), "--dry-run", home=home)
+    assert sub.returncode == 2 and "no weights" in sub.stderr and "Traceback" not in sub.stderr, sub.stderr
 
 
 def test_without_transformers_the_model_checks_are_skipped_with_a_warning(home, tmp_path, tiny_model, chat_data):

@@ -264,3 +264,19 @@ def test_every_write_is_committed_when_it_returns(tmp_path):
     assert other.task("e", 0)["step"] == 5 and other.cursors(["/r/0/metrics.jsonl"]) == {"/r/0/metrics.jsonl": 10}
     assert [c["state"] for c in other.checkpoints("e", 0)] == ["PRUNED"]
     assert any(e["kind"] == "x.y" for e in other.events("e"))
+
+
+def test_a_task_preparing_its_data_says_how_far_in_status_until_its_first_step():
+    from orchestrator.cli import render
+
+    ledger = Ledger.memory(strict=True)
+    new_experiment(ledger)
+    ledger.set_task_state("e1", 0, TaskState.RUNNING, "started")
+    for done in (100, 400):  # the rank's events, as the watcher ingests them
+        ledger.event("e1", "data.progress", f"preparing data: {done} of 1,000 records tokenized ({done // 10}%)", idx=0)
+    ledger.event("e1", "data.progress", "preparing data: 7 of 9 records tokenized (77%)", idx=1)  # task 1 pending: not said
+    doc = render.status_document(ledger, ledger.find_experiments())
+    reasons = [t["reason"] for t in doc["experiments"][0]["tasks"]]
+    assert reasons == ["preparing data: 400 of 1,000 records tokenized (40%)", "waiting for room in the queue"]
+    ledger.update_tasks([("e1", 0, {"step": 1})])  # trained a step: the preparation is history
+    assert render.status_document(ledger, ledger.find_experiments())["experiments"][0]["tasks"][0]["reason"] is None

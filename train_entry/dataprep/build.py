@@ -87,11 +87,11 @@ def prepare(data: Inputs, tokenizer, cache_root: str | os.PathLike, progress: Pr
     try:
         counts = _build(data, tokenizer, scratch, out / EXAMPLES, progress or (lambda *a: None), num_proc)
         shutil.rmtree(scratch, ignore_errors=True)
-        size = (out / EXAMPLES).stat().st_size
+        st = (out / EXAMPLES).stat()
         manifest = {"created": time.time(), "took_s": round(time.time() - started, 3), "counts": counts,
                     "inputs": [{"path": p[:4096], "digest": d} for p, d in zip(data.paths, data.parts["inputs"])],
                     "format_of_records": data.fmt, "key_parts": data.parts,
-                    "files": {EXAMPLES: {"size": size, "digest": sources.file_digest(out / EXAMPLES)}}}
+                    "files": {EXAMPLES: {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": sources.file_digest(out / EXAMPLES)}}}
         entry = datacache.commit_entry(out, root, data.key, manifest)
         return entry, datacache.read_manifest(entry)
     finally:
@@ -165,7 +165,6 @@ def _encode_counted(tokenizer, fmt: str, where_of, counts_dir: str, batch: dict)
     """``encode.encode_batch``, and how many records this process has done, for the
     progress watcher (a process of the pool cannot call back into the preparing rank)."""
     out = encode.encode_batch(tokenizer, fmt, where_of, batch)
-    out["first_target"] = [next((i for i, t in enumerate(tg) if t and i >= 1), -1) for tg in out["target"]]
     _DONE[0] += len(batch["line"])
     if time.monotonic() - _DONE[1] >= 1.0:  # what the watcher reads, about as often as it reads it
         _DONE[1] = time.monotonic()

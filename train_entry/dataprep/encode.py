@@ -22,7 +22,7 @@ PREFIX_UNSTABLE = ("the tokenizer's chat template renders a conversation's prefi
 def encode_batch(tokenizer, fmt: str, where_of, batch: dict) -> dict:
     """``batch``: ``{"file", "line", "text", "error"}`` columns (``sources.raw_lines``); the
     result's columns: ``input_ids``, ``target`` (1 where the token is the assistant's),
-    ``length``, ``error`` (None, or "FILE:LINE: why"). ``where_of(file, line)`` names a record."""
+    ``length``, ``first_target`` (-1: none), ``error`` (None, or "FILE:LINE: why"). ``where_of(file, line)`` names a record."""
     convs, errors = [], []
     for f, n, text, early in zip(batch["file"], batch["line"], batch["text"], batch["error"]):
         where = where_of(f, n)
@@ -50,14 +50,15 @@ def encode_batch(tokenizer, fmt: str, where_of, batch: dict) -> dict:
                  for k, m in enumerate(messages) if m["role"] == "assistant"]
         plans.append((full, turns))
     ids_of = _tokenize(tokenizer, list(texts)) if texts else []
-    out: dict[str, list] = {"input_ids": [], "target": [], "length": [], "error": []}
+    out: dict[str, list] = {"input_ids": [], "target": [], "length": [], "first_target": [], "error": []}
     for i, (plan, err) in enumerate(zip(plans, errors)):
-        ids, target = ([], []) if plan is None else _mask(ids_of, plan)
+        ids, target, first = ([], [], -1) if plan is None else _mask(ids_of, plan)
         if target is None:
             ids, target, err = [], [], f"{where_of(batch['file'][i], batch['line'][i])}: {PREFIX_UNSTABLE}"
         out["input_ids"].append(ids)
         out["target"].append(target)
         out["length"].append(len(ids))
+        out["first_target"].append(first)
         out["error"].append(err)
     return out
 
@@ -75,17 +76,21 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def _mask(ids_of: list[list[int]], plan) -> tuple[list[int], list[int] | None]:
-    """The conversation's ids and its target mask; None for the mask when a prefix is not
-    the start of the whole (masking would be wrong)."""
+def _mask(ids_of: list[list[int]], plan) -> tuple[list[int], list[int] | None, int]:
+    """The conversation's ids, its target mask (None when a prefix is not the start of the
+    whole: masking would be wrong), and the first target position that can carry loss (a
+    position >= 1: something predicts it), -1 for none."""
     full_slot, turns = plan
     full = ids_of[full_slot]
-    target = [0] * len(full)
+    target, first = [0] * len(full), -1
     for prefix_slot, upto_slot in turns:
         prefix = ids_of[prefix_slot]
-        start, end = len(prefix), len(ids_of[upto_slot])
+        start, stop = len(prefix), min(len(ids_of[upto_slot]), len(full))
         if full[:start] != prefix:
-            return full, None
-        for i in range(start, min(end, len(full))):
-            target[i] = 1
-    return full, target
+            return full, None, -1
+        if start < stop:
+            target[start:stop] = [1] * (stop - start)
+            lowest = max(start, 1)
+            if lowest < stop and (first < 0 or lowest < first):
+                first = lowest
+    return full, target, first

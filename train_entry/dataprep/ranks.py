@@ -1,6 +1,6 @@
 """Who does what with the data when a generation of ranks starts.
 
-Global rank 0 finds the entry for the inputs' content: checked whole and reused; or, when
+Global rank 0 finds the entry for the inputs' content: checked and reused; or, when
 there is none (or it is damaged: discarded, with an event), prepared by whoever holds the
 cache's claim for that key, this rank or another experiment's, while this one waits. It
 then names the entries in the generation's hand-off note. Every other rank waits for the
@@ -64,27 +64,34 @@ def find_or_prepare(src: Source, tokenizer, cache_root: str, hb, log: Callable[[
             else:
                 c = found.manifest["counts"]
                 hb.event("data.reused", f"{src.paths[0]}: the prepared set {data.key} ({c['records']:,} records, "
-                         f"{c['tokens']:,} tokens) matches the files' content and the tokenizer; found and checked whole in "
+                         f"{c['tokens']:,} tokens) matches the files' content and the tokenizer; found and checked in "
                          f"{time.time() - t0:.2f} s", key=data.key, seconds=round(time.time() - t0, 3))
             return found
         if claim.take():
             try:
-                return _prepare(data, tokenizer, cache_root, claim, hb, log, num_proc, on_progress)
+                # its last holder may have committed it between our look and the take
+                found = _whole(data, cache_root, hb, log)
+                if found is None:
+                    return _prepare(data, tokenizer, cache_root, claim, hb, log, num_proc, on_progress)
             finally:
                 claim.release()
+            continue
         waited_for = claim.holder() or waited_for or {}
         hb.beat(0, contract.Phase.INIT)
         time.sleep(POLL_S * 5)
 
 
 def _whole(data: build.Inputs, cache_root: str, hb, log) -> Examples | None:
-    """The complete entry, read whole against its digest; a damaged one is discarded."""
+    """The complete entry, its file read whole against the digest unless it is unchanged
+    since it was written (size and mtime as the manifest says: checked then); a damaged
+    one is discarded."""
     entry = datacache.entry_dir(cache_root, data.key)
     if not entry.is_dir():
         return None
     try:
         found = Examples(entry)
-        found.verify()
+        if not found.unchanged():
+            found.verify()
         return found
     except datacache.CacheError as exc:
         hb.event("data.damaged", f"{exc}; discarded, and prepared again", key=data.key)

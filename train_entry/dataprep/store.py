@@ -10,6 +10,7 @@ token after position ``i``, or -100): packed examples never predict across their
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,16 @@ class Examples:
         a = int(ids_off[j])
         b = min(int(ids_off[j + 1]), a + max_length)
         return ids[a:b], tgt[a:b]
+
+    def unchanged(self) -> bool:
+        """The file as it was when its digest was taken: same size and modification time
+        (a write changes them; reading it whole again would find what was found then)."""
+        info = self.manifest["files"][EXAMPLES]
+        try:
+            st = os.stat(self.entry / EXAMPLES)
+        except OSError:
+            return False
+        return isinstance(info.get("mtime_ns"), int) and st.st_mtime_ns == info["mtime_ns"] and st.st_size == info["size"]
 
     def verify(self) -> None:
         """The file's content as the manifest says it was written (reads all of it)."""
