@@ -8,8 +8,8 @@ For each size, generated chat records (1-3 turns of realistic length, SmolLM2's 
 - prepare: `find_or_prepare` into an empty cache, one process per core: seconds and
   records/s; the peer: `datasets.Dataset.from_json(...).map` of the one-record-at-a-time
   encoding (what the trainer did, as a map function) with as many processes;
-- a rank's data start, after: rank 0 (key, entry found and read whole against its digest,
-  split, packing, a batch) and any other rank (the entry mapped, split, packing, a batch):
+- a rank's data start, after: rank 0 (key, entry found and checked, split, packing, a
+  batch) and any other rank (the entry mapped, split, packing, a batch):
   seconds and peak RSS above the process's baseline, against the tokens x 8 bytes a
   list-of-ints copy would hold at least;
 - before (sizes up to --before-max; an hour a rank at 1 M): one rank's tokenizing into
@@ -270,8 +270,10 @@ def render(res: dict) -> str:
                 lines.append(f"- run {i}: ledger {', '.join(run['data_events'])}; the data's share of the start "
                              f"{run['data_s']:.2f} s of {run['startup_s']:.1f} s to the first step")
     lines += ["", "A rank's data start is after the tokenizer is loaded: the key (input digest remembered), the entry found "
-              "and (rank 0 only) read whole against its digest, the 1 % held-out split, packing, one batch. RSS: the peak "
-              "above the process's own after its imports, after 50 more random batches."]
+              "and checked (rank 0 reads it whole against its digest only if the file changed since it was written), the 1 % "
+              "held-out split, packing, one batch. RSS: the peak above the process's own after its imports, after 50 more "
+              "random batches (it counts the mapped file's pages the process touched, which the node's ranks share). The "
+              "1 M row has no peer and no before: each would take about an hour here (the 10 k row gives their ratios)."]
     return "\n".join(lines)
 
 

@@ -48,13 +48,21 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=",".join(BENCHES))
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    ap.add_argument("--add", action="append", default=[], metavar="NAME=FILE",
+                    help="the --json output of a benchmark run by itself (one too long for this run): written without running it")
     args = ap.parse_args()
     saved = Path(args.out).with_name("results.json")
     # --only reruns some benchmarks; the others keep their last figures (and their dates)
     old = json.loads(saved.read_text()) if saved.exists() and not args.quick else {}
     results, took, dates = old.get("results", {}), old.get("took", {}), old.get("dates", {})
     failed: list[str] = []
+    added = dict(item.split("=", 1) for item in args.add)
+    for name, path in added.items():
+        results[name] = json.loads(Path(path).read_text())
+        took[name], dates[name] = "?", str(datetime.date.today())
     for name in args.only.split(","):
+        if name in added:
+            continue
         title, full, quick = BENCHES[name]
         t0 = time.time()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
