@@ -98,14 +98,6 @@ def _naive_encode(tok, messages):
     return full, target
 
 
-class _Quiet:
-    def beat(self, *a, **k):
-        pass
-
-    def event(self, *a, **k):
-        pass
-
-
 def child(task: dict) -> dict:
     import transformers
 
@@ -119,7 +111,7 @@ def child(task: dict) -> dict:
     t0 = time.perf_counter()
     kind = task["kind"]
     if kind == "prepare":
-        ex = ranks.find_or_prepare(ranks.Source([task["data"]], "chat"), tok, task["cache"], _Quiet(), lambda line: None,
+        ex = ranks.find_or_prepare(ranks.Source([task["data"]], "chat"), tok, task["cache"], ranks.Unwatched(), lambda line: None,
                                    task["procs"])
         return {"s": time.perf_counter() - t0, "records": len(ex), "tokens": ex.manifest["counts"]["tokens"]}
     if kind == "peer":
@@ -137,7 +129,7 @@ def child(task: dict) -> dict:
         return {"s": time.perf_counter() - t0, "records": len(out)}
     if kind in ("rank0", "rank1"):
         if kind == "rank0":
-            ex = ranks.find_or_prepare(ranks.Source([task["data"]], "chat"), tok, task["cache"], _Quiet(), lambda line: None)
+            ex = ranks.find_or_prepare(ranks.Source([task["data"]], "chat"), tok, task["cache"], ranks.Unwatched(), lambda line: None)
         else:
             entry = store.datacache.entry_dir(task["cache"], task["key"])
             ex = store.Examples(entry)

@@ -256,15 +256,8 @@ def _orchestrate_rows(steps: int, rank: int, world: int, cache: Path):
     from train_entry.dataprep import ranks, store
     from train_entry.hf import chat, load
 
-    class Quiet:
-        def beat(self, *a, **k):
-            pass
-
-        def event(self, *a, **k):
-            pass
-
     tok = transformers.AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
-    ex = ranks.find_or_prepare(ranks.Source([str(DATA)], "chat"), tok, str(cache), Quiet(), lambda line: None)
+    ex = ranks.find_or_prepare(ranks.Source([str(DATA)], "chat"), tok, str(cache), ranks.Unwatched(), lambda line: None)
     packed = store.Packed(ex, store.usable(ex, np.arange(len(ex)), MAX_LENGTH), MAX_LENGTH, load.pad_id(tok))
     sampler = Sampler(len(packed), SEED, MICRO_BATCH, 1, world, rank)
     batches = [sampler.indices(step, 0) for step in range(steps)]

@@ -34,16 +34,9 @@ def chat_data(tmp_path_factory) -> Path:
 def _examples(cache, n=6):
     from train_entry.dataprep import ranks
 
-    class Quiet:
-        def beat(self, *a, **k):
-            pass
-
-        def event(self, *a, **k):
-            pass
-
     tok = tiny.tokenizer()
     path = tiny.make_chat_data(Path(tempfile.mkdtemp()) / "d.jsonl", n=n, seed=3)
-    return tok, ranks.find_or_prepare(ranks.Source([str(path)], "chat"), tok, str(cache), Quiet(), lambda line: None)
+    return tok, ranks.find_or_prepare(ranks.Source([str(path)], "chat"), tok, str(cache), ranks.Unwatched(), lambda line: None)
 
 
 def test_packed_rows_give_each_example_the_loss_it_has_alone(tiny_model, tmp_path):

@@ -144,7 +144,10 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
     finally:
         watch.stop()
         if procs > 1:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None) if old is None else os.environ.__setitem__("TOKENIZERS_PARALLELISM", old)
+            if old is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = old
     table = enc.with_format("arrow")[:]
     errors = table.column("error")
     if errors.null_count != len(errors):

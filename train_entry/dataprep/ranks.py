@@ -26,6 +26,17 @@ POLL_S = 0.2
 CLAIM_BEAT_S = 10.0
 
 
+class Unwatched:
+    """A heartbeat's ``beat`` and ``event`` that go nowhere: preparing outside a rank
+    (a benchmark, a test; ``orchestrate data prepare`` keeps what is said)."""
+
+    def beat(self, *_args, **_kwargs) -> None:
+        pass
+
+    def event(self, *_args, **_kwargs) -> None:
+        pass
+
+
 @dataclass
 class Source:
     """One data set a run reads: its files and record format."""

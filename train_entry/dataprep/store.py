@@ -18,7 +18,8 @@ import torch
 
 from orchestrator.contract import datacache
 
-from train_entry.dataprep.build import EXAMPLES, sources
+from train_entry.dataprep import sources
+from train_entry.dataprep.build import EXAMPLES
 
 IGNORE = -100
 COLUMNS = {"file": "int32", "line": "int64", "input_ids": "list<item: int32>", "target": "list<item: uint8>", "length": "int32",
