@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -123,8 +124,8 @@ def test_dry_run_submits_and_records_nothing(home):
 def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_and_resumes(home, tmp_path):
     """The local executor recovers too: no queue to requeue into, so a new driver runs the
     task again from its last checkpoint, and it ends with the undisturbed loss."""
-    text = SMALL.format(steps=400).replace("heartbeat: {interval_s: 1}", "heartbeat: {interval_s: 0.5}")
-    text += "checkpoint: {every_steps: 100}\nretry: {max_restarts: 0, backoff_s: 1}\nlogging: {every_steps: 1}\n"
+    text = SMALL.format(steps=200).replace("heartbeat: {interval_s: 1}", "heartbeat: {interval_s: 0.5}")
+    text += "checkpoint: {every_steps: 50}\nretry: {max_restarts: 0, backoff_s: 1}\nlogging: {every_steps: 1}\n"
     spec = write(tmp_path / "s.yaml", text.replace("logging: {every_steps: 10}\n", ""))
     import subprocess
     import sys
@@ -139,7 +140,7 @@ def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_a
     deadline = time.time() + 120
     while not list(home.glob("runs/*/tasks/0/metrics.jsonl")) or max(
         (m["step"] for m in contract.read_jsonl_from(next(home.glob("runs/*/tasks/0/metrics.jsonl")), 0)[0]), default=0
-    ) < 250:
+    ) < 120:  # past the checkpoint of step 100, 80 steps before the end
         assert time.time() < deadline
         time.sleep(0.2)
     tdir = next(home.glob("runs/*/tasks/0"))
@@ -152,5 +153,7 @@ def test_without_slurm_a_failure_past_the_in_place_restarts_is_submitted_again_a
     ledger = Ledger.open(home / "ledger.db")
     first, second = ledger.attempts(exp["id"], 0)
     assert first["failure"] == "infrastructure" and second["state"] == "COMPLETED" and first["job_id"] != second["job_id"]
+    resumed = [e["cause"] for e in ledger.events(exp["id"]) if e["kind"] == "checkpoint.resumed"]
+    assert len(resumed) == 1 and re.match(r"resumed from step (100|150) ", resumed[0]), resumed  # not from scratch
     [action] = ledger.actions(exp["id"], 0)
     assert action["kind"] == "resubmit" and action["detail"]["new_job_id"] == second["job_id"]

@@ -231,8 +231,10 @@ def installed(tmp_path_factory):
     venv = root / "venv"
     _run_logged([sys.executable, "-m", "venv", str(venv)], log, env=env, cwd=root, timeout=300)
     vpy = venv / "bin" / "python"
-    _run_logged([str(vpy), "-m", "pip", "install", "torch==2.13.0"], log, env=env, cwd=root, timeout=600)
-    _run_logged([str(vpy), "-m", "pip", "install", str(wheel)], log, env=env, cwd=root, timeout=600)
+    # --no-compile: byte-compiling all of torch costs half a minute of a core; the processes
+    # below compile (and keep) only what they import
+    _run_logged([str(vpy), "-m", "pip", "install", "--no-compile", "torch==2.13.0"], log, env=env, cwd=root, timeout=600)
+    _run_logged([str(vpy), "-m", "pip", "install", "--no-compile", str(wheel)], log, env=env, cwd=root, timeout=600)
     _run_logged([str(vpy), "-m", "pip", "check"], log, env=env, cwd=root, timeout=120)
 
     work = root / "work"

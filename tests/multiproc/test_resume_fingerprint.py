@@ -75,26 +75,37 @@ def test_compare_names_what_differs_and_ignores_rounding():
     assert fingerprint.compare({"method": "other"}, before) == "the checkpoint's fingerprint is not one this version reads"
 
 
-def fingerprint_of(tmp_path, kind: str, world: int) -> dict:
-    out, port = tmp_path / f"{kind}-{world}.json", free_port()
+KINDS = ("fsdp", "zero2", "zero3", "ddp", "ddp-copy")
+
+
+def run_worlds(folder, kinds: str, world: int) -> None:
+    """KIND-WORLD.json in ``folder`` for each of the comma-separated kinds, one process per rank for all."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "workloads" / "fingerprint_worlds.py"), kind, str(out)],
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "workloads" / "fingerprint_worlds.py"), kinds, str(folder)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
-    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """The built-in model's fingerprint unwrapped on 1 process, then under each engine on 2 ranks."""
+    folder = tmp_path_factory.mktemp("worlds")
+    run_worlds(folder, "plain", 1)
+    run_worlds(folder, ",".join((*KINDS, "ddp-fail")), 2)
+    return folder
 
 
 @pytest.mark.multiproc
-def test_the_fingerprint_is_the_same_on_every_world_size_and_engine(tmp_path):
-    one = fingerprint_of(tmp_path, "plain", 1)
+def test_the_fingerprint_is_the_same_on_every_world_size_and_engine(worlds):
+    one = json.loads((worlds / "plain-1.json").read_text())
     # FSDP2 shards by rows (97 of them: unequal), ZeRO-3 by flat offset; DDP's replicas split by
     # slices, and an async DDP save's copy by whole tensors (each counted once over the ranks)
-    for kind in ("fsdp", "zero2", "zero3", "ddp", "ddp-copy"):
-        got = fingerprint_of(tmp_path, kind, 2)
+    for kind in KINDS:
+        got = json.loads((worlds / f"{kind}-2.json").read_text())
         assert fingerprint.compare(one, got) is None, kind
         for name, (w, sq, ab, n) in one["params"].items():
             g = got["params"][name]
@@ -102,12 +113,10 @@ def test_the_fingerprint_is_the_same_on_every_world_size_and_engine(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_rank_that_fails_its_part_of_the_fingerprint_leaves_no_rank_waiting(tmp_path):
-    out = tmp_path / "ddp-fail-2.json"
-    with pytest.raises(FileNotFoundError):
-        fingerprint_of(tmp_path, "ddp-fail", 2)  # rank 0 writes no fingerprint: both raised
-    assert [(tmp_path / f"ddp-fail-2.json.{r}").read_text() for r in range(2)] == ["raised", "raised"]
-    assert not out.exists()
+def test_a_rank_that_fails_its_part_of_the_fingerprint_leaves_no_rank_waiting(worlds):
+    # rank 1 fails its part: both ranks raised (none waits on the other), rank 0 wrote no fingerprint
+    assert [(worlds / f"ddp-fail-2.json.{r}").read_text() for r in range(2)] == ["raised", "raised"]
+    assert not (worlds / "ddp-fail-2.json").exists()
 
 
 # ---------------------------------------------------------------- the check at resume
