@@ -40,6 +40,7 @@ BENCHES = {
                    ["--steps", "4", "--warmup", "2", "--repeats", "1"]),
     "data_scale": ("Data at scale: prepared once, memory-mapped", ["--sizes", "10000,100000,1000000", "--e2e"],
                    ["--sizes", "2000,10000", "--before-max", "2000", "--peer-max", "2000"]),
+    "model_load": ("Loading a model: host memory per rank", ["--layers", "32"], ["--layers", "4"]),
 }
 
 

@@ -31,6 +31,7 @@ class Workload:
     loss_sum: Callable[[Any, Any], tuple] | None = None  # (loss sum, target count) of a batch, for evaluation
     export: dict | None = None  # hf.json, written into every checkpoint (how to export it)
     keep: Any = None  # what must outlive loading (ZeRO-3's HfDeepSpeedConfig)
+    fill: Callable[..., None] | None = None  # a model built empty: fill(model, device) once the engine sharded it
     trainable_only: bool = False  # frozen weights come from the model folder again: not checkpointed
 
 

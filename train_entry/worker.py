@@ -100,7 +100,7 @@ def build(session: RankSession, device):
         workload = hf.build(cfg, session.task_dir, ctx, session.hb, log=lambda line: ctx.rank == 0 and print(line, flush=True))
     else:
         workload = build_workload(cfg.model, cfg.data)
-    engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only)
+    engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only, fill=workload.fill)
     ckpt.engine = engine
     if workload.export is not None:
         ckpt.extras[contract.HF_EXPORT] = workload.export

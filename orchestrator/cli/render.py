@@ -285,7 +285,23 @@ def memory_plan_tables(doc: dict) -> list:
             *(human(e[k]) for k in ("params", "grads", "optimizer", "working", "activations", "activations_checkpointed", "peak", "peak_checkpointed", "offloaded", "comm_bytes")),
         )
     verdict = f"recommended: {rec['name']}" + (" with activation checkpointing" if rec["activation_checkpointing"] else "") if rec["name"] else "no recommendation"
-    return [t, Text(f"{verdict}\n{rec['reason']}")]
+    return [t, Text("\n".join(line for line in (verdict, rec["reason"], _host_load(doc)) if line))]
+
+
+def _host_load(doc: dict) -> str:
+    """One line: the host memory a rank holds while it reads the weights, for the spec's
+    engine and the recommended one (every engine's is in --json)."""
+    from orchestrator.submit.memory_plan import human
+
+    if doc["model"].get("counted_by", "formula") == "formula":
+        return ""  # the built-in model: made on each rank, no files to read
+    named = [n for n in (doc.get("spec_engine"), doc["recommendation"]["name"]) if n]
+    parts = []
+    for e in doc["engines"]:
+        if e["name"] in named and e["name"] not in [p[0] for p in parts]:
+            shared = " (memory-mapped files: the node's ranks share their pages)" if e["host_load_shared"] else ""
+            parts.append((e["name"], f"{e['name']} {human(e['host_load'])}{shared}"))
+    return "host memory per rank to read the weights: " + "; ".join(p[1] for p in parts) if parts else ""
 
 
 def sources_table(sources: dict) -> Table:

@@ -158,6 +158,8 @@ class Estimate:
     comm_bytes: int  # per device per optimizer step
     inter_node_bytes: int
     offload_level: int = 0
+    host_load: int = 0  # host memory a rank needs to read the weights (train_entry.hf.weights)
+    host_load_shared: bool = False  # the pages of memory-mapped files, shared by the node's ranks
 
     @property
     def model_states(self) -> int:
@@ -201,7 +203,23 @@ def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
         states = states._replace(inter=states.comm)  # flat rings cross node boundaries with all of it
     act, act_ckpt = activations(shape, s)
     return Estimate(c.name, c.engine, states.params, states.grads, states.optim, states.working, act, act_ckpt,
-                    states.offloaded, states.comm, states.inter, c.offload_level)
+                    states.offloaded, states.comm, states.inter, c.offload_level, *host_load(c.engine, shape, s))
+
+
+def host_load(engine: dict, shape: Shape, s: Setting) -> tuple[int, bool]:
+    """(bytes, shared) of host memory a rank holds while the weights are read: FSDP2 its
+    shard plus one tensor's piece; ZeRO-3 its partition plus one tensor whole; DDP and
+    ZeRO-1/2 the memory-mapped files, whose pages the node's ranks share; QLoRA loads whole."""
+    wb = shape.weight_bytes
+    weights = shape.frozen_bytes(cast_16bit=False) + (shape.train_params * wb if shape.method == "full" else 0)
+    if shape.method == "qlora":
+        return weights, False
+    if engine["kind"] == "fsdp":
+        over = s.gpus_per_node if engine["sharding"] == "hybrid" else s.world
+        return (weights + shape.largest_layer * wb) // over, False
+    if engine["kind"] == "deepspeed" and engine["stage"] == 3:
+        return weights // s.world + shape.largest_layer * wb, False
+    return weights, True
 
 
 class _States(NamedTuple):

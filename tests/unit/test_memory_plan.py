@@ -82,6 +82,25 @@ def test_recommendation_gets_cheaper_with_more_memory_and_more_nodes():
     assert squeezed["name"] in ("zero3", "fsdp-full") and squeezed["activation_checkpointing"], squeezed
 
 
+def test_host_memory_to_load_the_weights_follows_how_each_engine_reads_them():
+    from dataclasses import replace
+
+    shape = gpt_shape(BIG["vocab"], BIG["seq_len"], BIG["d"], BIG["layers"], BIG["heads"])
+    model = shape.params * 4
+    one_tensor = shape.largest_layer * 4
+    est = by_name(shape, Setting(2, 8, None, 1, 1, "bf16"))
+    # DDP and ZeRO-1/2 map the files: the node's ranks share the pages of one copy
+    assert est["ddp"].host_load == est["zero2"].host_load == model and est["ddp"].host_load_shared
+    # FSDP2 full: a 16th of the model and of one tensor; hybrid shards within the node only
+    assert est["fsdp-full"].host_load == (model + one_tensor) // 16 and not est["fsdp-full"].host_load_shared
+    assert est["fsdp-hybrid"].host_load == (model + one_tensor) // 8
+    # ZeRO-3 partitions as it reads: its partition plus one tensor whole
+    assert est["zero3"].host_load == model // 16 + one_tensor
+    # QLoRA loads through from_pretrained: the 4-bit base whole on every rank
+    q = by_name(replace(shape, method="qlora", trainable=10**6, quantized=shape.params, quant_bits=4.0), Setting(1, 8, None, 1, 1, "bf16"))
+    assert q["ddp"].host_load == shape.params // 2 and not q["ddp"].host_load_shared
+
+
 def test_plan_command_text_and_json(home):
     big = ["--set", "model.d_model=4096", "--set", "model.n_layer=32", "--set", "model.n_head=32", "--set", "model.seq_len=2048",
            "--set", "data.vocab_size=32000", "--set", "batch.micro_batch_size=1", "--set", "engine.precision=bf16",
@@ -93,6 +112,8 @@ def test_plan_command_text_and_json(home):
     assert doc["recommendation"]["name"] == "zero3" and "cheapest that fits" in doc["recommendation"]["reason"]
     text = cli("plan", "configs/smoke.yaml", *big, "--gpu-memory", "40G", home=home)
     assert text.returncode == 0 and "recommended: " in text.stdout and "zero3-offload-all" in text.stdout
+    assert "read the weights" not in text.stdout  # the built-in model reads none
+    assert all(e["host_load"] > 0 for e in doc["engines"])
     bad = cli("plan", "configs/smoke.yaml", "--gpu-memory", "lots", home=home)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu-memory") and "Traceback" not in bad.stderr
     assert not (home / "ledger.db").exists()  # planning records nothing
@@ -244,4 +265,9 @@ def test_plan_command_for_an_hf_model(home, tiny_models, tmp_path):
     text = cli("plan", str(spec), "--set", "model.lora={r: 4}", "--gpu-memory", "8G", home=home)
     assert text.returncode == 0 and text.stderr == "", text.stderr
     assert "LoRA: trainable " in text.stdout and "frozen, fp32" in text.stdout and "recommended: ddp" in text.stdout
+    assert "host memory per rank to read the weights: ddp " in text.stdout and "the node's ranks share their pages" in text.stdout
+    engines = {e["name"]: e for e in doc["engines"]}
+    ddp, fsdp, world = engines["ddp"], engines["fsdp-full"], doc["setting"]["world_size"]
+    assert ddp["host_load_shared"] and not fsdp["host_load_shared"]
+    assert fsdp["host_load"] == (ddp["host_load"] + doc["model"]["largest_layer"] * 4) // world
     assert not (home / "ledger.db").exists()

@@ -17,14 +17,18 @@ from train_entry.engines.base import Engine, apply_activation_checkpointing, lay
 __all__ = ["Engine", "build_engine"]
 
 
-def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None, trainable_only: bool = False) -> Engine:
-    engine = _build(cfg, model, device, resume)
+def build_engine(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume=None, trainable_only: bool = False,
+                 fill=None) -> Engine:
+    """``fill``: the model was built empty (meta device) for FSDP2 to shard before its weights are read."""
+    if fill is not None and cfg.engine["kind"] != "fsdp":
+        raise ValueError("an empty model is only filled after FSDP2 shards it")
+    engine = _build(cfg, model, device, resume, fill)
     engine.trainable_only = trainable_only
     engine.direct_io = cfg.checkpoint.direct_io
     return engine
 
 
-def _build(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume) -> Engine:
+def _build(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, resume, fill) -> Engine:
     kind = cfg.engine["kind"]
     if cfg.engine["activation_checkpointing"]:
         apply_activation_checkpointing(model, layer_units(model, cfg.engine.get("wrap")))  # wrap: fsdp's only
@@ -35,7 +39,7 @@ def _build(cfg: contract.TaskConfig, model: nn.Module, device: torch.device, res
     if kind == "fsdp":
         from train_entry.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(cfg, model, device)
+        return FSDPEngine(cfg, model, device, fill)
     if kind == "deepspeed":
         from train_entry.engines.deepspeed import DeepSpeedEngine
 

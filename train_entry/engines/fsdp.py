@@ -25,7 +25,8 @@ def device_mesh(device: torch.device, sharding: str, per_node: int):
 
 
 class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
-    def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device):
+    def __init__(self, cfg: contract.TaskConfig, model: torch.nn.Module, device: torch.device, fill=None):
+        """``fill(model, device)``: given for a model built on the meta device; called once it is sharded."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         e = cfg.engine
@@ -39,11 +40,13 @@ class FSDPEngine(DCPState, TorchOptimizerStep, Engine):
             else MixedPrecisionPolicy(),
             offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if e["cpu_offload"] else OffloadPolicy(),
         )
-        if not e["cpu_offload"]:
+        if not e["cpu_offload"] and fill is None:
             model = model.to(device)
         for unit in layer_units(model, e["wrap"]):
             fully_shard(unit, **kw)
         fully_shard(model, **kw)
+        if fill is not None:
+            fill(model, torch.device("cpu") if e["cpu_offload"] else device)
         self.model = model
         self.optimizer = make_optimizer(model.parameters(), cfg.optimizer)
         self.grad_clip = cfg.optimizer.grad_clip

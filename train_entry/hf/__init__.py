@@ -42,14 +42,16 @@ def build(cfg: contract.TaskConfig, task_dir, ctx, hb, log=print) -> Any:
     cls = store.Packed if d["packing"] else store.Rows
     dataset = cls(train, kept, d["max_length"], pad)
     truncated = int((train.lengths[indices] > d["max_length"]).sum())
-    model, keep = load.load_model(m, cfg.seed, cfg.deepspeed_config, cfg.engine["activation_checkpointing"])
+    loaded = load.load_model(m, cfg.seed, cfg.deepspeed_config, cfg.engine)
+    model = loaded.model
     log(f"{d['path']}: {len(indices)} records -> {len(kept)} examples"
         + (f" in {len(dataset)} packed rows" if d["packing"] else "")
         + (f", {truncated} truncated to {d['max_length']} tokens" if truncated else "")
         + (f", {len(indices) - len(kept)} left out (no answer token within max_length)" if len(kept) < len(indices) else "")
-        + f"; {load.describe(model)}")
+        + f"; {load.describe(model)}; weights {loaded.how}")
     return Workload(
         model, dataset, chat.causal_lm_loss, tokens_per_sample=dataset.tokens_per_sample,
-        eval_dataset=evals, loss_sum=chat.token_loss_sum, export=load.export_record(m, model), keep=keep,
+        eval_dataset=evals, loss_sum=chat.token_loss_sum, export=load.export_record(m, model), keep=loaded.keep,
+        fill=loaded.fill,
         trainable_only=bool(m.get("lora") or m.get("qlora")),
     )

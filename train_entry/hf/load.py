@@ -2,10 +2,12 @@
 
 The model is loaded in the spec's dtype with the KV cache off (a cache built in training
 lets packed examples attend to each other), put in training mode, and given LoRA
-adapters after the seed is set again, so every rank and every launch starts from the
-same adapters whatever loading consumed of the random stream. Under DeepSpeed ZeRO-3
-the weights are partitioned as they load (``HfDeepSpeedConfig``): no rank ever holds the
-whole model.
+adapters whose initial values depend on the seed and their names alone
+(``weights.adapter_init``), so every rank, engine and launch starts from the same model.
+The weights are read without a second host copy where ``weights`` can (memory-mapped under
+DDP and ZeRO-1/2, each rank its rows under FSDP2); under DeepSpeed ZeRO-3 they are
+partitioned as they load (``HfDeepSpeedConfig``); QLoRA and GGUF go through
+``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
 
 from orchestrator.contract import thaw
 from train_entry.errors import UserCodeError
-from train_entry.hf import quiet
+from train_entry.hf import quiet, weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,11 +98,70 @@ def _quantization(q: Mapping[str, Any]):
     )
 
 
-def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str, Any] | None, activation_checkpointing: bool):
-    """The model to train (a peft model with adapters, or the whole model), and an object
-    to keep alive while DeepSpeed needs it (ZeRO-3's load-time partitioning)."""
+def weights_route(mcfg: Mapping[str, Any], engine: Mapping[str, Any]) -> str | None:
+    """How the weights are read (``weights``): "sharded" under FSDP2, "mapped" under DDP and
+    ZeRO-1/2, None (``from_pretrained``) for QLoRA, a GGUF file, ZeRO-3 (which partitions
+    as it loads) and ``model.load: from_pretrained``."""
+    if mcfg.get("qlora") or mcfg.get("gguf_file") or mcfg.get("load") == "from_pretrained":
+        return None
+    if engine["kind"] == "fsdp":
+        return "sharded"
+    if engine["kind"] == "deepspeed" and engine.get("stage") == 3:
+        return None
+    return "mapped"
+
+
+@dataclass
+class Loaded:
+    model: Any
+    keep: Any = None  # what must outlive loading (ZeRO-3's HfDeepSpeedConfig)
+    fill: Callable[..., None] | None = None  # FSDP2: the engine calls it once it has sharded the empty model
+    how: str = "from_pretrained"  # said in rank 0's log
+
+
+def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str, Any] | None,
+               engine: Mapping[str, Any]) -> Loaded:
+    """The model to train (a peft model with adapters, or the whole model)."""
     tf = _transformers()
     kw = dict(source_kwargs(mcfg), dtype=DTYPES[mcfg["dtype"]], attn_implementation=mcfg["attn_implementation"])
+    route = weights_route(mcfg, engine)
+    loaded = None
+    if route:
+        try:
+            loaded = _from_files(tf, mcfg, kw, route, seed)
+        except weights.Unsupported as exc:
+            why = f"from_pretrained ({exc})"
+    if loaded is None:
+        loaded = _from_pretrained(tf, mcfg, kw, deepspeed_config)
+        loaded.model = _adapt(loaded.model, mcfg, seed)
+        if route:
+            loaded.how = why
+        weights.init_adapters(loaded.model, seed)
+    loaded.model.config.use_cache = False
+    loaded.model.train()
+    return loaded
+
+
+def _from_files(tf, mcfg, kw, route: str, seed: int) -> Loaded:
+    try:
+        bare = weights.empty_model(tf, mcfg["path"], kw)
+    except (OSError, ValueError) as exc:
+        raise UserCodeError(f"model.path: cannot build a causal LM from '{mcfg['path']}/config.json': {exc}") from None
+    plan = weights.Plan.of(mcfg["path"], bare)
+    before = {id(p): n for n, p in bare.named_parameters(remove_duplicate=False)}
+    if route == "mapped":
+        plan.mapped(bare, kw["dtype"])
+    model = _adapt(bare, mcfg, seed)
+    plan.rename(model, before)
+    if route == "mapped":
+        weights.init_adapters(model, seed)
+        return Loaded(model, how="mapped: views of the safetensors files' pages, shared by the node's ranks")
+    weights.check_adapters(model, plan)
+    return Loaded(model, fill=lambda m, device: plan.fill(m, device, seed),
+                  how="sharded: each rank reads only the rows of its shard from the safetensors files")
+
+
+def _from_pretrained(tf, mcfg, kw, deepspeed_config) -> Loaded:
     qlora = mcfg.get("qlora")
     if qlora:
         kw["quantization_config"] = _quantization(qlora)
@@ -123,25 +185,28 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
         model = tf.AutoModelForCausalLM.from_pretrained(mcfg["path"], **kw)
     except (OSError, ValueError) as exc:
         raise UserCodeError(f"model.path: cannot load a causal LM from '{mcfg['path']}': {exc}") from None
-    model.config.use_cache = False
-    adapter = qlora or mcfg.get("lora")
     if qlora:
         import peft
 
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if adapter:
-        import peft
+    return Loaded(model, keep=keep)
 
-        torch.manual_seed(seed)  # the adapters' initial values: the same on every rank and launch
-        lora = peft.LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
-                               target_modules=list(adapter["target_modules"]), task_type="CAUSAL_LM")
-        try:
-            with quiet.peft_deprecation_off():
-                model = peft.get_peft_model(model, lora)
-        except ValueError as exc:  # a target module the model does not have
-            raise UserCodeError(f"model.lora.target_modules: {exc}") from None
-    model.train()
-    return model, keep
+
+def _adapt(model, mcfg: Mapping[str, Any], seed: int):
+    """The model with LoRA adapters, when the spec asks for them (their values: ``weights.adapter_init``)."""
+    adapter = mcfg.get("qlora") or mcfg.get("lora")
+    if not adapter:
+        return model
+    import peft
+
+    torch.manual_seed(seed)  # anything peft draws: the same on every rank and launch
+    lora = peft.LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
+                           target_modules=list(adapter["target_modules"]), task_type="CAUSAL_LM")
+    try:
+        with quiet.peft_deprecation_off():
+            return peft.get_peft_model(model, lora)
+    except ValueError as exc:  # a target module the model does not have
+        raise UserCodeError(f"model.lora.target_modules: {exc}") from None
 
 
 def fingerprint(mcfg: Mapping[str, Any]) -> dict:
@@ -185,4 +250,4 @@ def describe(model) -> str:
     return f"{trainable:,} trainable parameters of {total:,}"
 
 
-__all__ = ["describe", "export_record", "fingerprint", "load_model", "load_tokenizer", "pad_id"]
+__all__ = ["Loaded", "describe", "export_record", "fingerprint", "load_model", "load_tokenizer", "pad_id", "weights_route"]
