@@ -1,7 +1,7 @@
 """Loading a model on 2 ranks: each rank's peak host memory while it reads a ~0.5 B-parameter
 model (random weights, fp32 safetensors) into its engine, for DDP (memory-mapped files),
 FSDP2 (built empty, sharded, each rank reading its shard's rows) and DeepSpeed ZeRO-3
-(partitioned as loaded), against the same engines loading through `from_pretrained` first
+(built partitioned, each rank reading its flat piece of each tensor), against the same engines loading through `from_pretrained` first
 (`model.load: from_pretrained`, what every rank did before), and against the model's bytes.
 
     python bench/model_load.py [--layers 32] [--cases ddp,fsdp2,...] [--json]
@@ -37,6 +37,7 @@ CASES = {  # name: (engine, model.load)
     "fsdp2": ({"kind": "fsdp", "sharding": "full"}, "auto"),
     "fsdp2-from_pretrained": ({"kind": "fsdp", "sharding": "full"}, "from_pretrained"),
     "zero3": ({"kind": "deepspeed", "stage": 3}, "auto"),
+    "zero3-from_pretrained": ({"kind": "deepspeed", "stage": 3}, "from_pretrained"),
 }
 
 
@@ -112,9 +113,12 @@ def rank(spec: dict) -> dict:
         import deepspeed  # noqa: F401
     gc.collect()
     base = status()
-    loaded = load.load_model(mcfg, 0, ds, engine)
-    stages = {"loaded": status()}
-    eng = build_engine(contract.TaskConfig.from_dict(raw), loaded.model, torch.device("cpu"), trainable_only=True, fill=loaded.fill)
+    from train_entry.hf.weights import heap_returned
+
+    with heap_returned():  # as the trainer loads (train_entry/worker.py)
+        loaded = load.load_model(mcfg, 0, ds, engine)
+        stages = {"loaded": status()}
+        eng = build_engine(contract.TaskConfig.from_dict(raw), loaded.model, torch.device("cpu"), trainable_only=True, fill=loaded.fill)
     stages["engine"] = status()
     tokens = torch.arange(16).unsqueeze(0)
     loss = eng.model(input_ids=tokens, labels=tokens).loss
@@ -172,6 +176,10 @@ def render(r: dict) -> str:
         a = max(x["added"] for x in c["fsdp2"])
         b = max(x["added"] for x in c["fsdp2-from_pretrained"])
         lines += ["", f"FSDP2: the sharded load adds {a / b:.2f}x what `from_pretrained` first added ({gb(a)} against {gb(b)} GB)."]
+    if "zero3" in c and "zero3-from_pretrained" in c:
+        a = max(x["added"] for x in c["zero3"])
+        b = max(x["added"] for x in c["zero3-from_pretrained"])
+        lines += ["", f"ZeRO-3: the partitioned load adds {a / b:.2f}x what `from_pretrained` added ({gb(a)} against {gb(b)} GB)."]
     return "\n".join(lines)
 
 

@@ -96,11 +96,14 @@ def build(session: RankSession, device):
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     if cfg.model["kind"] == "hf":
         from train_entry import hf
+        from train_entry.hf.weights import heap_returned
 
-        workload = hf.build(cfg, session.task_dir, ctx, session.hb, log=lambda line: ctx.rank == 0 and print(line, flush=True))
+        with heap_returned():  # the load's temporaries go back to the system, not into the heap
+            workload = hf.build(cfg, session.task_dir, ctx, session.hb, log=lambda line: ctx.rank == 0 and print(line, flush=True))
+            engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only, fill=workload.fill)
     else:
         workload = build_workload(cfg.model, cfg.data)
-    engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only, fill=workload.fill)
+        engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only)
     ckpt.engine = engine
     if workload.export is not None:
         ckpt.extras[contract.HF_EXPORT] = workload.export

@@ -72,8 +72,8 @@ class HFModel(Strict):
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
     load: Literal["auto", "from_pretrained"] = Field(
         "auto", description="How ranks read the weights. `auto`: without a second host copy where the folder has "
-        "safetensors weights: under FSDP2 each rank reads only its shard's rows, under DDP and ZeRO-1/2 ranks map the "
-        "files and share their pages, ZeRO-3 partitions as it loads; QLoRA and GGUF use `from_pretrained`. "
+        "safetensors weights: under FSDP2 each rank reads only its shard's rows, under ZeRO-3 its flat piece of each tensor, "
+        "under DDP and ZeRO-1/2 ranks map the files and share their pages; QLoRA and GGUF use `from_pretrained`. "
         "`from_pretrained`: every rank loads the whole model with transformers first."
     )
     lora: Lora | None = Field(None, description="Train LoRA adapters only; null: full fine-tuning.")

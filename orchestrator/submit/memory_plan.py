@@ -208,8 +208,9 @@ def estimate(c: Candidate, shape: Shape, s: Setting) -> Estimate | None:
 
 def host_load(engine: dict, shape: Shape, s: Setting) -> tuple[int, bool]:
     """(bytes, shared) of host memory a rank holds while the weights are read: FSDP2 its
-    shard plus one tensor's piece; ZeRO-3 its partition plus one tensor whole; DDP and
-    ZeRO-1/2 the memory-mapped files, whose pages the node's ranks share; QLoRA loads whole."""
+    shard plus one tensor's piece; ZeRO-3 its partition plus one module whole (``zero.Init``
+    makes each module whole, then splits it); DDP and ZeRO-1/2 the memory-mapped files, whose
+    pages the node's ranks share; QLoRA loads whole."""
     wb = shape.weight_bytes
     weights = shape.frozen_bytes(cast_16bit=False) + (shape.train_params * wb if shape.method == "full" else 0)
     if shape.method == "qlora":

@@ -111,11 +111,13 @@ def test_what_the_files_cannot_give_goes_through_from_pretrained_and_says_why(ti
     with pytest.raises(weights.Unsupported, match="do not hold"):
         weights.Plan.of(missing, weights.empty_model(load._transformers(), str(missing), {"dtype": torch.float32, "attn_implementation": "eager"}))
     assert load.weights_route(mcfg(tiny_model, qlora={"r": 4}), DDP) is None
-    assert load.weights_route(mcfg(tiny_model), {"kind": "deepspeed", "stage": 3}) is None
+    assert load.weights_route(mcfg(tiny_model), {"kind": "deepspeed", "stage": 3}) == "partitioned"
+    assert load.weights_route(mcfg(tiny_model, load="from_pretrained"), {"kind": "fsdp"}) is None
     assert load.weights_route(mcfg(tiny_model), {"kind": "fsdp"}) == "sharded"
 
 
 def sharded(tmp_path, model, lora: bool, sharding: str) -> dict:
+    """Two ranks of tests/workloads/sharded_load.py: the model gathered whole, and what each rank held."""
     out = tmp_path / f"{sharding}-{lora}"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
@@ -145,3 +147,18 @@ def test_under_fsdp2_each_rank_reads_its_rows_and_the_model_is_the_unsharded_one
     rows = [r["local_shapes"]["base_model.model.model.embed_tokens.weight"][0] for r in got["ranks"]]
     vocab = want["base_model.model.model.embed_tokens.weight"].shape[0]
     assert sum(rows) == vocab and rows[0] > rows[1]  # unequal pieces: 259 rows on 2 ranks
+
+
+@pytest.mark.multiproc
+def test_under_zero3_each_rank_reads_its_piece_and_the_model_is_the_unsharded_one(tiny_model, tmp_path):
+    from train_entry.hf import load
+
+    ref = load.load_model(mcfg(tiny_model, LORA), 7, None, DDP).model
+    want = {k: v for k, v in ref.state_dict().items() if k != "base_model.model.lm_head.weight"}
+    got = sharded(tmp_path, tiny_model, True, "zero3")
+    assert got["whole"].keys() == want.keys() and all(torch.equal(got["whole"][k], want[k]) for k in want)
+    for r in got["ranks"]:
+        assert r["built_empty"] and r["how"].startswith("partitioned"), r["how"]
+    vocab, hidden = want["base_model.model.model.embed_tokens.weight"].shape
+    pieces = [r["local_shapes"]["base_model.model.model.embed_tokens.weight"][0] for r in got["ranks"]]
+    assert pieces == [-(-vocab * hidden // 2)] * 2  # each rank held half the flat tensor, no more

@@ -99,15 +99,15 @@ def _quantization(q: Mapping[str, Any]):
 
 
 def weights_route(mcfg: Mapping[str, Any], engine: Mapping[str, Any]) -> str | None:
-    """How the weights are read (``weights``): "sharded" under FSDP2, "mapped" under DDP and
-    ZeRO-1/2, None (``from_pretrained``) for QLoRA, a GGUF file, ZeRO-3 (which partitions
-    as it loads) and ``model.load: from_pretrained``."""
+    """How the weights are read (``weights``): "sharded" under FSDP2, "partitioned" under
+    ZeRO-3, "mapped" under DDP and ZeRO-1/2; None (``from_pretrained``) for QLoRA, a GGUF
+    file and ``model.load: from_pretrained``."""
     if mcfg.get("qlora") or mcfg.get("gguf_file") or mcfg.get("load") == "from_pretrained":
         return None
     if engine["kind"] == "fsdp":
         return "sharded"
     if engine["kind"] == "deepspeed" and engine.get("stage") == 3:
-        return None
+        return "partitioned"
     return "mapped"
 
 
@@ -128,7 +128,7 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
     loaded = None
     if route:
         try:
-            loaded = _from_files(tf, mcfg, kw, route, seed)
+            loaded = _from_files(tf, mcfg, kw, route, seed, deepspeed_config)
         except weights.Unsupported as exc:
             why = f"from_pretrained ({exc})"
     if loaded is None:
@@ -142,45 +142,52 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
     return loaded
 
 
-def _from_files(tf, mcfg, kw, route: str, seed: int) -> Loaded:
+def _from_files(tf, mcfg, kw, route: str, seed: int, deepspeed_config) -> Loaded:
+    keep = _zero3(deepspeed_config) if route == "partitioned" else None
     try:
-        bare = weights.empty_model(tf, mcfg["path"], kw)
+        bare = weights.empty_model(tf, mcfg["path"], kw, partitioned=keep is not None)
     except (OSError, ValueError) as exc:
         raise UserCodeError(f"model.path: cannot build a causal LM from '{mcfg['path']}/config.json': {exc}") from None
     plan = weights.Plan.of(mcfg["path"], bare)
     before = {id(p): n for n, p in bare.named_parameters(remove_duplicate=False)}
     if route == "mapped":
         plan.mapped(bare, kw["dtype"])
+    elif route == "partitioned":
+        plan.partitions(bare)
     model = _adapt(bare, mcfg, seed)
     plan.rename(model, before)
-    if route == "mapped":
-        weights.init_adapters(model, seed)
-        return Loaded(model, how="mapped: views of the safetensors files' pages, shared by the node's ranks")
-    weights.check_adapters(model, plan)
-    return Loaded(model, fill=lambda m, device: plan.fill(m, device, seed),
-                  how="sharded: each rank reads only the rows of its shard from the safetensors files")
+    if route == "sharded":
+        weights.check_adapters(model, plan)
+        return Loaded(model, fill=lambda m, device: plan.fill(m, device, seed),
+                      how="sharded: each rank reads only the rows of its shard from the safetensors files")
+    weights.init_adapters(model, seed)
+    if route == "partitioned":
+        return Loaded(model, keep=keep, how="partitioned: each rank reads only its ZeRO-3 piece from the safetensors files")
+    return Loaded(model, how="mapped: views of the safetensors files' pages, shared by the node's ranks")
+
+
+def _zero3(deepspeed_config):
+    """DeepSpeed's ZeRO-3 config, made visible to transformers (``HfDeepSpeedConfig``): models
+    it builds or loads while this lives are partitioned as they are made (``zero.Init``)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed
+    from torch import distributed as dist
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from train_entry.engines.deepspeed import skip_unneeded_op_builds
+
+    skip_unneeded_op_builds(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    # DeepSpeed's view of the process group we made: its config checks the batch against the world size
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    return HfDeepSpeedConfig(thaw(deepspeed_config))
 
 
 def _from_pretrained(tf, mcfg, kw, deepspeed_config) -> Loaded:
     qlora = mcfg.get("qlora")
     if qlora:
         kw["quantization_config"] = _quantization(qlora)
-    keep = None
     zero = (deepspeed_config or {}).get("zero_optimization", {})
-    if zero.get("stage") == 3 and not qlora:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-        import deepspeed
-        from torch import distributed as dist
-        from transformers.integrations import HfDeepSpeedConfig
-
-        from train_entry.engines.deepspeed import skip_unneeded_op_builds
-
-        skip_unneeded_op_builds(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-
-        # DeepSpeed's view of the process group we made: its config checks the batch against the world size
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-
-        keep = HfDeepSpeedConfig(thaw(deepspeed_config))  # from_pretrained sees it: zero.Init, weights partitioned as read
+    keep = _zero3(deepspeed_config) if zero.get("stage") == 3 and not qlora else None  # weights partitioned as read
     try:
         model = tf.AutoModelForCausalLM.from_pretrained(mcfg["path"], **kw)
     except (OSError, ValueError) as exc:
