@@ -108,11 +108,25 @@ def test_what_the_files_cannot_give_goes_through_from_pretrained_and_says_why(ti
     missing = tmp_path / "missing"
     shutil.copytree(tiny_model, missing)
     save_file({k: v for k, v in tensors.items() if "norm" not in k}, missing / "model.safetensors", metadata={"format": "pt"})
+    import transformers
+
+    empty = weights.empty_model(transformers, str(missing), {"dtype": torch.float32, "attn_implementation": "eager"})
     with pytest.raises(weights.Unsupported, match="do not hold"):
-        weights.Plan.of(missing, weights.empty_model(load._transformers(), str(missing), {"dtype": torch.float32, "attn_implementation": "eager"}))
+        weights.Plan.of(missing, empty)
+    # a tensor of another shape (a resized vocabulary): refused on every rank alike, from the headers
+    resized = tmp_path / "resized"
+    shutil.copytree(tiny_model, resized)
+    save_file({**tensors, "model.embed_tokens.weight": tensors["model.embed_tokens.weight"][:-3]}, resized / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(weights.Unsupported, match=r"model.embed_tokens.weight is \[256, 64\] in the files, \[259, 64\] in the model"):
+        weights.Plan.of(resized, empty)
     assert load.weights_route(mcfg(tiny_model, qlora={"r": 4}), DDP) is None
     assert load.weights_route(mcfg(tiny_model), {"kind": "deepspeed", "stage": 3}) == "partitioned"
     assert load.weights_route(mcfg(tiny_model, load="from_pretrained"), {"kind": "fsdp"}) is None
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    assert load.weights_route(mcfg(tiny_model), {"kind": "deepspeed", "stage": 3}, nvme) is None  # pieces swapped out
+    hpz = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}
+    assert load.weights_route(mcfg(tiny_model), {"kind": "deepspeed", "stage": 3}, hpz) is None
     assert load.weights_route(mcfg(tiny_model), {"kind": "fsdp"}) == "sharded"
 
 

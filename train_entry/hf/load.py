@@ -98,16 +98,21 @@ def _quantization(q: Mapping[str, Any]):
     )
 
 
-def weights_route(mcfg: Mapping[str, Any], engine: Mapping[str, Any]) -> str | None:
+def weights_route(mcfg: Mapping[str, Any], engine: Mapping[str, Any], deepspeed_config: Mapping[str, Any] | None = None) -> str | None:
     """How the weights are read (``weights``): "sharded" under FSDP2, "partitioned" under
     ZeRO-3, "mapped" under DDP and ZeRO-1/2; None (``from_pretrained``) for QLoRA, a GGUF
-    file and ``model.load: from_pretrained``."""
+    file, ``model.load: from_pretrained``, and ZeRO-3 with parameters on NVMe or ZeRO++'s
+    secondary or quantised copies."""
     if mcfg.get("qlora") or mcfg.get("gguf_file") or mcfg.get("load") == "from_pretrained":
         return None
     if engine["kind"] == "fsdp":
         return "sharded"
     if engine["kind"] == "deepspeed" and engine.get("stage") == 3:
-        return "partitioned"
+        zero = (deepspeed_config or {}).get("zero_optimization", {})
+        on_nvme = (zero.get("offload_param") or {}).get("device") == "nvme"
+        zero_pp = (zero.get("zero_hpz_partition_size") or 1) > 1 or zero.get("zero_quantized_weights") \
+            or zero.get("zero_quantized_nontrainable_weights")
+        return None if on_nvme or zero_pp else "partitioned"  # their pieces are not plain local tensors
     return "mapped"
 
 
@@ -124,7 +129,7 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
     """The model to train (a peft model with adapters, or the whole model)."""
     tf = _transformers()
     kw = dict(source_kwargs(mcfg), dtype=DTYPES[mcfg["dtype"]], attn_implementation=mcfg["attn_implementation"])
-    route = weights_route(mcfg, engine)
+    route = weights_route(mcfg, engine, deepspeed_config)
     loaded = None
     if route:
         try:
@@ -143,20 +148,25 @@ def load_model(mcfg: Mapping[str, Any], seed: int, deepspeed_config: Mapping[str
 
 
 def _from_files(tf, mcfg, kw, route: str, seed: int, deepspeed_config) -> Loaded:
-    keep = _zero3(deepspeed_config) if route == "partitioned" else None
-    try:
-        bare = weights.empty_model(tf, mcfg["path"], kw, partitioned=keep is not None)
-    except (OSError, ValueError) as exc:
-        raise UserCodeError(f"model.path: cannot build a causal LM from '{mcfg['path']}/config.json': {exc}") from None
-    plan = weights.Plan.of(mcfg["path"], bare)
-    before = {id(p): n for n, p in bare.named_parameters(remove_duplicate=False)}
-    if route == "mapped":
-        plan.mapped(bare, kw["dtype"])
-    elif route == "partitioned":
+    def build(partitioned: bool):
+        try:
+            return weights.empty_model(tf, mcfg["path"], kw, partitioned=partitioned)
+        except (OSError, ValueError) as exc:
+            raise UserCodeError(f"model.path: cannot build a causal LM from '{mcfg['path']}/config.json': {exc}") from None
+
+    bare = build(False)
+    plan = weights.Plan.of(mcfg["path"], bare)  # before zero.Init's collectives: every rank decides alike
+    keep = None
+    if route == "partitioned":
+        keep = _zero3(deepspeed_config)
+        bare = build(True)
         plan.partitions(bare)
+    elif route == "mapped":
+        plan.mapped(bare, kw["dtype"])
+    before = {id(p): n for n, p in bare.named_parameters(remove_duplicate=False)}
     model = _adapt(bare, mcfg, seed)
-    plan.rename(model, before)
     if route == "sharded":
+        plan.rename(model, before)
         weights.check_adapters(model, plan)
         return Loaded(model, fill=lambda m, device: plan.fill(m, device, seed),
                       how="sharded: each rank reads only the rows of its shard from the safetensors files")

@@ -51,9 +51,14 @@ class Unsupported(Exception):
 def files(folder: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file that holds it. An index naming a file outside
     the folder, or a file that is not there, is refused (never followed)."""
+    return {k: path for k, (path, _) in headers(folder).items()}
+
+
+def headers(folder: Path) -> dict[str, tuple[Path, tuple]]:
+    """tensor name -> (its file, its shape), from the files' headers alone."""
     folder = Path(folder)
     if (folder / SINGLE).is_file():
-        return dict.fromkeys(_keys(folder / SINGLE), folder / SINGLE)
+        return _header(folder / SINGLE)
     if not (folder / INDEX).is_file():
         raise Unsupported("the folder has no model.safetensors nor model.safetensors.index.json")
     try:
@@ -62,24 +67,24 @@ def files(folder: Path) -> dict[str, Path]:
         raise Unsupported(f"{INDEX} is not a safetensors index: {exc}") from None
     if not isinstance(weight_map, dict):
         raise Unsupported(f"{INDEX}: weight_map is not a mapping")
-    out: dict[str, Path] = {}
-    for shard in sorted(set(weight_map.values())):
-        if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+    out: dict[str, tuple[Path, tuple]] = {}
+    for shard in sorted({str(v) for v in weight_map.values()}):
+        if Path(shard).name != shard or shard in (".", ".."):
             raise Unsupported(f"{INDEX} names {shard!r}, not a file of the folder")
         path = folder / shard
         if not path.is_file():
             raise Unsupported(f"{INDEX} names {shard}, which is not in the folder")
-        out.update(dict.fromkeys(_keys(path), path))
+        out.update(_header(path))
     return out
 
 
-def _keys(path: Path) -> list[str]:
-    from safetensors import safe_open
+def _header(path: Path) -> dict[str, tuple[Path, tuple]]:
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except Exception as exc:  # safetensors raises its own error types for a damaged header
+            return {k: (path, tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    except SafetensorError as exc:  # a damaged header: from_pretrained says what it makes of it
         raise Unsupported(f"{path.name}: {exc}") from None
 
 
@@ -93,10 +98,11 @@ def empty_model(tf, folder: str, kw: Mapping[str, Any], partitioned: bool = Fals
     config = tf.AutoConfig.from_pretrained(folder, local_files_only=True)
     make = lambda: tf.AutoModelForCausalLM.from_config(config, dtype=kw["dtype"], attn_implementation=kw["attn_implementation"])  # noqa: E731
     if partitioned:
-        return make()
-    with init_empty_weights(include_buffers=False):
         model = make()
-    model.tie_weights()  # the context made each tied parameter its own meta tensor
+    else:
+        with init_empty_weights(include_buffers=False):
+            model = make()
+    model.tie_weights()  # init_empty_weights made each tied parameter its own meta tensor
     return model
 
 
@@ -110,16 +116,23 @@ class Plan:
 
     @classmethod
     def of(cls, folder: str | Path, model: nn.Module) -> "Plan":
-        """Check the bare model against the files: every parameter there (under any of its
-        tied names), and nothing else in the files."""
-        plan = cls(files(Path(folder)))
+        """Check the bare model against the files' headers: every parameter there (under any
+        of its tied names) with its shape, and nothing else in the files. The same answer on
+        every rank, so all of them take the same route."""
+        found_in = headers(Path(folder))
+        plan = cls({k: path for k, (path, _) in found_in.items()})
         aliases: dict[int, list[str]] = {}
+        params: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
-        for names in aliases.values():
+            params[id(p)] = p
+        for pid, names in aliases.items():
             found = [n for n in names if n in plan.sources]
             if not found:
                 raise Unsupported(f"the files do not hold {names[0]}")
+            shape = tuple(getattr(params[pid], "ds_shape", params[pid].shape))
+            if found_in[found[0]][1] != shape:
+                raise Unsupported(f"{found[0]} is {list(found_in[found[0]][1])} in the files, {list(shape)} in the model")
             plan.names.update(dict.fromkeys(names, found[0]))
         unexpected = set(plan.sources) - set(plan.names.values())
         if unexpected:
@@ -152,11 +165,11 @@ class Plan:
     def fill(self, model: nn.Module, device: torch.device, seed: int) -> None:
         """After the engine sharded the empty model: storage for every shard, each rank's
         rows read from the files, adapters initialised, buffers as they were built."""
-        kept = {n: b.detach().clone() for n, b in model.named_buffers()}
+        kept = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
         model.to_empty(device=device)
+        for module, name, buffer in kept:  # as built, and where the engine put them
+            setattr(module, name, buffer)
         with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(kept[n])
             for name, p in model.named_parameters():
                 local, start, stop = _local_rows(p)
                 key = self.names.get(clean(name))
@@ -177,6 +190,10 @@ class Plan:
             for name, p in model.named_parameters():
                 piece = p.ds_tensor
                 size = piece.numel()
+                if getattr(p, "ds_secondary_tensor", None) is not None or hasattr(piece, "ds_quant_scale") or (
+                        size * dist.get_world_size(group=getattr(p, "ds_process_group", None)) != p.ds_numel_aligned):
+                    raise RuntimeError(f"{name}: a ZeRO-3 piece that is not a plain local tensor (NVMe, ZeRO++); "
+                                       "load.weights_route sends these to from_pretrained")
                 group = getattr(p, "ds_process_group", None)
                 lo = dist.get_rank(group=group) * size
                 hi = min(p.ds_numel, lo + size)
@@ -232,18 +249,22 @@ def heap_returned():
     shard is read through a temporary): measured, a ZeRO-3 rank of a 0.5 B model peaked at
     1.08x the model's bytes, 0.61x with blocks of 1 MiB and more mapped and unmapped. After
     the load the threshold is set where the dynamic one settles, and the heap trimmed.
-    Nothing happens where the C library is not glibc."""
+    Setting it ends glibc's dynamic threshold for the process (and overrides MALLOC_*_
+    variables). Nothing happens where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt, libc.malloc_trim  # noqa: B018  (absent outside glibc)
     except (OSError, AttributeError):
         yield
         return
-    libc.mallopt(M_MMAP_THRESHOLD, MAPPED_WHILE_LOADING)
+    if not libc.mallopt(M_MMAP_THRESHOLD, MAPPED_WHILE_LOADING):
+        yield
+        return
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX):
+            libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's default: never left at 1 MiB
         libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
         libc.malloc_trim(0)
 
