@@ -196,17 +196,11 @@ def main() -> int:
     import tempfile
 
     model = make_model(args.layers)
-    from safetensors import safe_open
+    import math
 
-    params = 0
-    for f in sorted(model.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                shape = fh.get_slice(k).get_shape()
-                n = 1
-                for d in shape:
-                    n *= d
-                params += n
+    from train_entry.hf.weights import headers
+
+    params = sum(math.prod(shape) for _, shape in headers(model).values())  # the files' headers, as the load reads them
     result = {"params": params, "model_bytes": sum(f.stat().st_size for f in model.glob("*.safetensors")), "cases": {}}
     for name in args.cases.split(","):
         with tempfile.TemporaryDirectory() as tmp:

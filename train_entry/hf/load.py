@@ -163,9 +163,9 @@ def _from_files(tf, mcfg, kw, route: str, seed: int, deepspeed_config) -> Loaded
         plan.partitions(bare)
     elif route == "mapped":
         plan.mapped(bare, kw["dtype"])
-    before = {id(p): n for n, p in bare.named_parameters(remove_duplicate=False)}
+    before = {id(p): n for n, p in bare.named_parameters(remove_duplicate=False)} if route == "sharded" else {}
     model = _adapt(bare, mcfg, seed)
-    if route == "sharded":
+    if route == "sharded":  # its plan is read again after wrapping, under the wrapped names
         plan.rename(model, before)
         weights.check_adapters(model, plan)
         return Loaded(model, fill=lambda m, device: plan.fill(m, device, seed),
