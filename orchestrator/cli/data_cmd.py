@@ -32,13 +32,14 @@ def _prepare(args) -> int:
     seen: dict[tuple, dict] = {}
     for t in plan.tasks:  # a sweep over data or model prepares each distinct input once
         m, d = t.spec.model, t.spec.data
-        if d.kind != "jsonl" or m.kind != "hf":
-            raise UserError("data prepare: the spec's data is not records to tokenize (data.kind: jsonl with model.kind: hf)")
-        for path in [d.path, d.eval_path]:
-            if path and (path, d.format, m.path, m.gguf_file, d.cache_dir) not in seen:
-                seen[(path, d.format, m.path, m.gguf_file, d.cache_dir)] = {"model": m.model_dump(mode="json"), "path": path,
-                                                                           "format": d.format, "cache_dir": d.cache_dir,
-                                                                           "max_length": d.max_length}
+        if d.kind not in RECORD_KINDS or m.kind != "hf":
+            raise UserError("data prepare: the spec's data is not records to tokenize (data.kind: jsonl, parquet or arrow "
+                            "with model.kind: hf)")
+        for paths in [d.paths, d.eval_paths]:
+            key = (tuple(paths), d.kind, d.format, m.path, m.gguf_file, d.cache_dir)
+            if paths and key not in seen:
+                seen[key] = {"model": m.model_dump(mode="json"), "paths": paths, "kind": d.kind, "format": d.format,
+                             "cache_dir": d.cache_dir, "max_length": d.max_length}
     docs = [_prepare_one(item, args.processes, not args.json) for item in seen.values()]
     if args.json:
         print(json.dumps(docs, indent=2))
@@ -57,24 +58,26 @@ def _prepare_one(item: dict, processes: int | None, say: bool) -> dict:
         tok = load.load_tokenizer(item["model"])
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=console, transient=True) as bar:
-            task = bar.add_task(f"tokenizing {Path(item['path']).name}", total=None)
+            src = ranks.Source(item["paths"], item["format"], item["kind"])
+            task = bar.add_task(f"tokenizing {Path(src.named()).name}", total=None)
 
             def on_progress(stage: str, done: int, total: int | None) -> None:
                 bar.update(task, completed=done, total=total)
 
             said = _Said()
-            examples = ranks.find_or_prepare(ranks.Source([item["path"]], item["format"]), tok, item["cache_dir"], said,
-                                             lambda line: None, processes, on_progress)
+            examples = ranks.find_or_prepare(src, tok, item["cache_dir"], said, lambda line: None, processes, on_progress)
     except UserCodeError as exc:
         raise UserError(str(exc)) from None
     man = examples.manifest
     c, size = man["counts"], sum(f["size"] for f in man["files"].values())
     truncated = int((examples.lengths > item["max_length"]).sum())
-    doc = {"path": str(examples.entry), "input": item["path"], "key": examples.entry.name, "bytes": size,
+    one = len(item["paths"]) == 1
+    doc = {"path": str(examples.entry), "input": item["paths"][0] if one else item["paths"], "kind": item["kind"], "key": examples.entry.name, "bytes": size,
            "records": c["records"], "tokens": c["tokens"], "truncated": truncated, "max_length": item["max_length"],
            "without_answer": c["without_target"], "reused": said.kind != "data.prepared", "took_s": man.get("took_s")}
     if say:
-        console.print(f"{item['path']}: {said.line}", highlight=False)
+        named = src.named()
+        console.print(said.line if said.line.startswith(named) else f"{named}: {said.line}", highlight=False)
         console.print(f"  cache     {examples.entry}  ({_size(size)})", highlight=False)
         console.print(f"  records   {c['records']:,}   tokens {c['tokens']:,}   longest {c['longest']:,}", highlight=False)
         console.print(f"  truncated {truncated:,} at data.max_length {item['max_length']}"

@@ -1,17 +1,14 @@
-"""Chat and instruction records in JSON lines: what a valid one is, read the same way on
-the login node (checked before anything is queued) and on the compute nodes (trained on).
+"""Chat and instruction records: what a valid one is, checked the same way on the login
+node (before anything is queued) and on the compute nodes (when the data is prepared);
+``train_entry.dataprep.sources`` reads them from JSON lines, Parquet or saved data sets.
 
 A chat record: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
 with at least one assistant message; loss falls on the assistant messages' tokens. An
 instruction record: ``{"prompt": str, "completion": str}``, rendered as one user turn
-and one assistant turn. Errors name the file and the line.
+and one assistant turn. Errors name the file and the line (or row).
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Iterator
 
 ROLES = ("system", "user", "assistant")
 FORMATS = ("chat", "instruction")
@@ -44,31 +41,6 @@ def to_messages(record: object, fmt: str, where: str) -> list[dict]:
     if not any(m["role"] == "assistant" for m in out):
         raise RecordError(f"{where}: no assistant message: nothing to learn from")
     return out
-
-
-def read_records(path: str | Path, fmt: str) -> Iterator[tuple[int, list[dict]]]:
-    """(line number, messages) of every non-blank line; the first bad line raises RecordError."""
-    if fmt not in FORMATS:
-        raise RecordError(f"data.format '{fmt}': use chat or instruction")
-    path = Path(path)
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise RecordError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    with fh:
-        n = 0
-        while raw := fh.readline(MAX_LINE_BYTES + 1):  # a line without its end is never read whole
-            n += 1
-            where = f"{path}:{n}"
-            if len(raw) > MAX_LINE_BYTES:
-                raise RecordError(f"{where}: a line longer than {MAX_LINE_BYTES:,} bytes (no record is that long: a damaged file?)")
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise RecordError(f"{where}: not JSON ({exc})") from None
-            yield n, to_messages(record, fmt, where)
 
 
 def held_out_count(n: int, fraction: float) -> int:

@@ -97,8 +97,9 @@ def container_mounts(plan: Plan) -> list[str]:
         model, data = spec.model, spec.data
         for section, key in ((model, "path"), (data, "path"), (data, "eval_path"), (data, "cache_dir"), (model, "script"), (model, "cwd")):
             value = getattr(section, key, None)
-            if isinstance(value, str) and value.startswith("/"):
-                paths.append(value if key in ("cwd", "cache_dir") or os.path.isdir(value) else os.path.dirname(value))
+            for one in [value] if isinstance(value, str) else value if isinstance(value, list) else []:  # data paths may be lists
+                if isinstance(one, str) and one.startswith("/"):
+                    paths.append(one if key in ("cwd", "cache_dir") or os.path.isdir(one) else os.path.dirname(one))
     for p in paths:
         try:
             slurmtext.mount_text(p)

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from orchestrator.spec import slurmtext
 from orchestrator.spec.engines import DDPEngine, EngineSpec
-from orchestrator.spec.hf import Eval
+from orchestrator.spec.hf import RECORD_KINDS, Eval
 from orchestrator.spec.policies import Checkpoint, Heartbeat, Logging, Notify, Retry
 from orchestrator.spec.scope import LOGIN_SIDE, TRAINER_AND_DEEPSPEED, TRAINER_ONLY
 from orchestrator.spec.sections import Batch, Optimizer, Resources, Schedule, Sweep
@@ -127,11 +127,12 @@ class Spec(Strict):
 
     def _workload_pairs(self) -> None:
         m, d = self.model.kind, self.data.kind
-        if m == "hf" and d != "jsonl":
-            raise FieldError(("data", "kind"), "a `kind: hf` model trains on `kind: jsonl` data (chat or instruction records)")
-        if d == "jsonl" and m != "hf":
-            raise FieldError(("model", "kind"), "`kind: jsonl` data is rendered with a tokenizer: use a `kind: hf` model")
-        if self.eval.every_steps is not None and not (d == "jsonl" and (self.data.eval_path or self.data.eval_fraction)):
+        if m == "hf" and d not in RECORD_KINDS:
+            raise FieldError(("data", "kind"), "a `kind: hf` model trains on chat or instruction records: data.kind jsonl, "
+                             "parquet or arrow")
+        if d in RECORD_KINDS and m != "hf":
+            raise FieldError(("model", "kind"), f"`kind: {d}` data is rendered with a tokenizer: use a `kind: hf` model")
+        if self.eval.every_steps is not None and not (d in RECORD_KINDS and (self.data.eval_path or self.data.eval_fraction)):
             raise FieldError(("eval", "every_steps"), "there is no held-out split: set data.eval_path or data.eval_fraction")
         if m == "hf" and self.model.qlora is not None and self.engine.kind == "fsdp":
             raise FieldError(("model", "qlora"), "FSDP2 cannot shard 4-bit weights here; use engine ddp or deepspeed")

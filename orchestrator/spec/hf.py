@@ -1,5 +1,6 @@
 """Hugging Face fine-tuning in a spec: a causal LM from a local folder (`model: {kind: hf}`),
-chat or instruction records from JSONL (`data: {kind: jsonl}`) and evaluation (`eval`).
+chat or instruction records from JSON lines, Parquet or a saved data set
+(`data: {kind: jsonl | parquet | arrow}`) and evaluation (`eval`).
 
 Nothing here is downloaded: paths are local folders and files, resolved against the
 spec's folder and checked on the login node before anything is queued
@@ -9,7 +10,7 @@ spec's folder and checked on the login node before anything is queued
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -103,22 +104,29 @@ class HFModel(Strict):
         return self.qlora or self.lora
 
 
-class JsonlData(Strict):
-    """Chat (`{"messages": [{"role", "content"}, ...]}`) or instruction (`{"prompt", "completion"}`)
-    records, one JSON object per line, rendered with the tokenizer's chat template. Only the
-    assistant's (completion's) tokens carry loss."""
+MAX_INPUTS = 100_000
+Paths = Union[
+    Annotated[str, Field(min_length=1)],
+    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_INPUTS)],
+]
+PATHS_HELP = ("; a list of them, or a glob pattern (`data/train-*.parquet`), read in order (a pattern's matches sorted); "
+              "relative to the spec's folder, readable from the compute nodes.")
 
-    kind: Literal["jsonl"] = Field(description="`jsonl`: records from a JSON-lines file.")
-    path: str = Field(
-        min_length=1, description="The training records; relative to the spec's folder, readable from the compute nodes."
-    )
+
+class RecordsData(Strict):
+    """Chat (`{"messages": [{"role", "content"}, ...]}`) or instruction (`{"prompt", "completion"}`)
+    records, rendered with the tokenizer's chat template. Only the assistant's (completion's)
+    tokens carry loss. The kinds differ only in how the records are stored."""
+
+    kind: Literal["jsonl", "parquet", "arrow"]
+    path: Paths = Field(description="The training records" + PATHS_HELP)
     format: Literal["chat", "instruction"] = Field("chat", description="`chat`: `messages`; `instruction`: `prompt` and `completion`.")
     max_length: int = Field(512, ge=8, le=1_048_576, strict=True, description="Tokens per example (per row when packing); longer ones are truncated and counted.")
     packing: bool = Field(
         False, description="Pack several examples into each row of `max_length` tokens; position ids restart per example "
         "and no example attends to another."
     )
-    eval_path: str | None = Field(None, min_length=1, description="Held-out records for evaluation (same format).")
+    eval_path: Paths | None = Field(None, description="Held-out records for evaluation (same kind and format).")
     cache_dir: str | None = Field(
         None, min_length=1, description="Where the records, once tokenized, are kept as memory-mapped Arrow, shared by "
         "every experiment, sweep task and restart on the same content and tokenizer (`orchestrate data` lists them); "
@@ -129,10 +137,43 @@ class JsonlData(Strict):
     )
 
     @model_validator(mode="after")
-    def _one_eval_source(self) -> "JsonlData":
+    def _one_eval_source(self) -> "RecordsData":
         if self.eval_path is not None and self.eval_fraction is not None:
             raise ValueError("give eval_path or eval_fraction, not both")
         return self
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+    @property
+    def eval_paths(self) -> list[str]:
+        return [] if self.eval_path is None else [self.eval_path] if isinstance(self.eval_path, str) else list(self.eval_path)
+
+
+class JsonlData(RecordsData):
+    """Records in JSON lines: one JSON object per line (`.jsonl`); errors name the file and line."""
+
+    kind: Literal["jsonl"] = Field(description="`jsonl`: records from JSON-lines files.")
+
+
+class ParquetData(RecordsData):
+    """Records as the rows of Parquet files, with a `messages` column (chat: a list of
+    `{role, content}` structs) or `prompt` and `completion` columns (instruction); other
+    columns are not read. Errors name the file and row."""
+
+    kind: Literal["parquet"] = Field(description="`parquet`: records from Parquet files.")
+
+
+class ArrowData(RecordsData):
+    """Records as the rows of a data set saved with `datasets`' `Dataset.save_to_disk` (a folder
+    of Arrow files and `state.json`; for a `DatasetDict`, one split's folder), with the
+    columns of `parquet`."""
+
+    kind: Literal["arrow"] = Field(description="`arrow`: records from folders written by `save_to_disk`.")
+
+
+RECORD_KINDS = ("jsonl", "parquet", "arrow")
 
 
 class Eval(Strict):

@@ -8,6 +8,7 @@ keeps the two identical.
 
 from __future__ import annotations
 
+import types
 import typing
 
 from pydantic import BaseModel
@@ -22,13 +23,29 @@ END = "<!-- end of the generated reference -->"
 
 
 def _type_name(annotation) -> str:
-    models = models_in(annotation)
-    if models:
+    if models_in(annotation):
         return "mapping"
-    text = str(annotation).replace("typing.", "")
+    return _plain(annotation)
+
+
+def _plain(annotation) -> str:
+    """A field's type as a reader writes it: `str or list[str]`, constraints left to the meaning."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _plain(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_plain(a) for a in args)
+    if origin is list:
+        return f"list[{_plain(args[0])}]"
+    if origin is dict:
+        return f"dict[{_plain(args[0])}, {_plain(args[1])}]"
+    if origin is typing.Literal:
+        return f"one of {list(args)}"
+    if annotation is type(None):
+        return "None"
     if isinstance(annotation, type):
-        text = annotation.__name__
-    return text.replace("NoneType", "null").replace("Literal", "one of ").replace("|", "or")
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
 
 
 def _default(field) -> str:
@@ -51,13 +68,17 @@ def rows(model: type[BaseModel], prefix: str = "", honoured: Honoured | None = N
         note = marker(field, Honoured, honoured)
         meaning = " ".join(filter(None, [field.description, note and note.note]))
         out.append((path, _type_name(field.annotation), _default(field), meaning.replace("|", "\\|")))
+        variants: dict[tuple, list[str]] = {}  # kinds whose fields read alike are one set of rows
         for sub in models_in(field.annotation):
             kind = sub.model_fields.get("kind")
-            label = path
+            tag = None
             if kind is not None and len(models_in(field.annotation)) > 1:
                 tag = kind.default if isinstance(kind.default, str) else typing.get_args(kind.annotation)[0]
-                label = f"{path}[kind={tag}]"
-            out.extend(r for r in rows(sub, f"{label}.", note) if not r[0].endswith(".kind"))
+            body = tuple(r for r in rows(sub, "\0.", note) if not r[0].endswith(".kind"))
+            variants.setdefault(body, []).append(tag)
+        for body, tags in variants.items():
+            label = path if tags == [None] else f"{path}[kind={'/'.join(tags)}]"
+            out.extend((r[0].replace("\0", label, 1), *r[1:]) for r in body)
     return out
 
 

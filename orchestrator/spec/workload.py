@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, Tag, field_validator, model_validator
 
 from orchestrator.spec import slurmtext
-from orchestrator.spec.hf import HFModel, JsonlData
+from orchestrator.spec.hf import ArrowData, HFModel, JsonlData, ParquetData
 from orchestrator.spec.strict import MAX_SEED, FieldError, Strict, kind_discriminator
 
 
@@ -159,6 +159,8 @@ DataSpec = Annotated[
         Annotated[SyntheticData, Tag("synthetic")],
         Annotated[TextData, Tag("text")],
         Annotated[JsonlData, Tag("jsonl")],
+        Annotated[ParquetData, Tag("parquet")],
+        Annotated[ArrowData, Tag("arrow")],
     ],
     kind_discriminator("synthetic"),
 ]

@@ -7,9 +7,10 @@ For ``model: {kind: hf}``: the folder has ``config.json`` and weights (or the na
 file), tokenizer files and a chat template; transformers can build the model from its
 config (on the meta device: no weights are read) with the spec's attention kernel; each
 LoRA/QLoRA target module is a linear layer of it; ``data.max_length`` fits its positions.
-For ``data: {kind: jsonl}``: ``path`` and ``eval_path`` exist and every line is a valid
-record (streamed, one line at a time, the same reader the trainer uses; a file whose
-content is prepared in the data cache already was checked then, and is not read again), and
+For records (``data: {kind: jsonl | parquet | arrow}``): ``path`` and ``eval_path`` exist
+and every line or row is a valid record (streamed, the same reader the trainer's
+preparation uses; inputs whose content is prepared in the data cache already were checked
+then, and are not read again), and
 ``eval_fraction`` leaves at least one record on each side.
 
 Every problem found is reported at once, each with the spec file, line and field (and
@@ -27,6 +28,7 @@ from pathlib import Path
 from orchestrator.contract import chatdata, datacache
 from orchestrator.errors import SpecError, SpecIssue
 from orchestrator.spec import shown, yamlsrc
+from orchestrator.spec.hf import RECORD_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,11 @@ def check(plan, lines: dict, source: str, model_files: bool = True, data: bool =
                 problems += for_training
             else:
                 skipped.update(dict.fromkeys(f"{message} (submit checks it)" for _, message in for_training))
-        if spec.data.kind == "jsonl":
+        if spec.data.kind in RECORD_KINDS:
             if data:
                 problems += checker.data(spec.data)
             else:
-                skipped[f"the records of {spec.data.path} (plan reads no data; validate and submit check every line)"] = None
+                skipped[f"the records of {_named(spec.data.paths)} (plan reads no data; validate and submit check every line)"] = None
     seen, issues = set(), []
     for field, message in problems:  # a sweep repeats the same problem in every task
         if (field, message) not in seen:
@@ -116,7 +118,7 @@ class _Checker:
                 for i, what in bad:
                     problems.append((field + (i,), f"{what}; the linear layers it has: {have} (a name matches a module "
                                                    "path's last parts, e.g. q_proj or self_attn.q_proj)"))
-        if data.kind == "jsonl" and shape.max_positions and data.max_length > shape.max_positions:
+        if data.kind in RECORD_KINDS and shape.max_positions and data.max_length > shape.max_positions:
             problems.append((("data", "max_length"), f"{data.max_length} tokens is more than the model's "
                              f"{shape.max_positions} positions (config.json); lower data.max_length"))
         return problems, for_training
@@ -144,69 +146,84 @@ class _Checker:
 
     def data(self, d) -> list[Problem]:
         problems = []
-        n = self._count(d.path, d.format, ("data", "path"), problems, d.cache_dir)
+        n = self._count(d, "path", problems)
         if d.eval_path:
-            m = self._count(d.eval_path, d.format, ("data", "eval_path"), problems, d.cache_dir)
+            m = self._count(d, "eval_path", problems)
             if m == 0:
-                problems.append((("data", "eval_path"), f"no records in '{d.eval_path}': nothing to evaluate on"))
+                problems.append((("data", "eval_path"), f"no records in {_named(d.eval_paths)}: nothing to evaluate on"))
         if n == 0:
-            problems.append((("data", "path"), f"no records in '{d.path}': nothing to train on"))
+            problems.append((("data", "path"), f"no records in {_named(d.paths)}: nothing to train on"))
         elif n is not None and d.eval_fraction:
             k = chatdata.held_out_count(n, d.eval_fraction)
             if k < 1 or n - k < 1:
-                problems.append((("data", "eval_fraction"), f"{d.eval_fraction} of {n} record(s) in '{d.path}' holds out {k} "
-                                 f"and leaves {n - k} to train on: each side needs at least one record; give more "
+                problems.append((("data", "eval_fraction"), f"{d.eval_fraction} of {n} record(s) in {_named(d.paths)} holds "
+                                 f"out {k} and leaves {n - k} to train on: each side needs at least one record; give more "
                                  "records, another fraction, or data.eval_path"))
         return problems
 
-    def _count(self, path: str, fmt: str, field: Field, problems: list, cache_dir: str | None = None) -> int | None:
-        """Valid records in the file, or None after adding its problem."""
-        key = (path, fmt)
-        if key not in self._records:
-            known = prepared_count(path, fmt, cache_dir) if cache_dir else None
-            self._records[key] = (known, None) if known is not None else count_records(path, fmt)
-        n, problem = self._records[key]
-        if problem:
-            problems.append((field, problem))
-        return n
+    def _count(self, d, key: str, problems: list) -> int | None:
+        """Valid records of data.path or data.eval_path (all its inputs), or None after adding
+        each input's problem (the field names the list item where the spec gave a list)."""
+        value = getattr(d, key)
+        paths = [value] if isinstance(value, str) else list(value)
+        known = prepared_count(paths, d.format, d.kind, d.cache_dir) if d.cache_dir else None
+        if known is not None:
+            return known
+        total: int | None = 0
+        for i, path in enumerate(paths):
+            if (path, d.format, d.kind) not in self._records:
+                self._records[(path, d.format, d.kind)] = count_records(path, d.format, d.kind)
+            n, problem = self._records[(path, d.format, d.kind)]
+            if problem:
+                problems.append((("data", key) if isinstance(value, str) else ("data", key, i), problem))
+                total = None
+            elif total is not None:
+                total += n
+        return total
 
 
-def prepared_count(path: str, fmt: str, cache_dir: str) -> int | None:
-    """The records of a file whose content was prepared already (every record was checked
-    then): its digest remembered for this very file, an entry of that content and format.
-    None when not known: the file is read line by line."""
-    digest = datacache.remembered_digest(cache_dir, path)
-    if digest is None:
+def _named(paths: list[str]) -> str:
+    return f"'{paths[0]}'" + (f" and {len(paths) - 1} more" if len(paths) > 1 else "")
+
+
+def prepared_count(paths: list[str], fmt: str, kind: str, cache_dir: str) -> int | None:
+    """The records of inputs whose content was prepared already (every record was checked
+    then): their digests remembered for these very files, an entry of that content, kind
+    and format. None when not known: the inputs are read record by record."""
+    from train_entry.dataprep import sources
+
+    digests = [sources.known_digest(p, cache_dir, kind) for p in paths]
+    if None in digests:
         return None
     for entry in datacache.entries(cache_dir):
         man = entry.get("manifest") or {}
         inputs = man.get("inputs") or []
         records = (man.get("counts") or {}).get("records")
-        if [i.get("digest") for i in inputs if isinstance(i, dict)] == [digest] and man.get("format_of_records") == fmt \
-                and isinstance(records, int) and records >= 0:
+        if [i.get("digest") for i in inputs if isinstance(i, dict)] == digests and man.get("format_of_records") == fmt \
+                and man.get("kind_of_inputs", "jsonl") == kind and isinstance(records, int) and records >= 0:
             return records
     return None
 
 
-def count_records(path: str, fmt: str) -> tuple[int | None, str | None]:
-    """(records, None), or (None, what is wrong: the file and line)."""
+def count_records(path: str, fmt: str, kind: str = "jsonl") -> tuple[int | None, str | None]:
+    """(records, None), or (None, what is wrong: the file and line or row)."""
+    from train_entry.dataprep import sources
+    from train_entry.errors import UserCodeError
+
     p = Path(path)
     if not p.exists():
-        return None, f"no file '{p}' (a relative path is taken from the spec's folder)"
-    if p.is_dir():
-        return None, f"'{p}' is a folder; give the JSON-lines file of records"
-    n = 0
+        return None, f"no {'folder' if kind == 'arrow' else 'file'} '{p}' (a relative path is taken from the spec's folder)"
     try:
-        for n, _ in enumerate(chatdata.read_records(p, fmt), 1):
-            pass
+        return sources.count(path, kind, fmt), None
     except chatdata.RecordError as exc:
         text = str(exc)
-        if ": not JSON (" in text:
+        if ": not JSON (" in text and kind == "jsonl":
             text += "; each non-blank line must be one JSON object"
-        return None, text + "; fix or remove that line"
+        return None, text + ("; fix or remove that line" if kind == "jsonl" else "; fix or remove that row")
+    except UserCodeError as exc:
+        return None, str(exc)
     except OSError as exc:
         return None, f"'{p}': cannot read: {exc.strerror or exc}"
-    return n, None
 
 
 def folder_problems(path: str, gguf_file: str | None) -> tuple[list[Problem], list[Problem]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import secrets
@@ -17,6 +18,7 @@ from orchestrator.scheduler import Scheduler, default_executor, get_scheduler
 from orchestrator.scheduler.request import Plan
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.spec import defaults, shown, yamlsrc
+from orchestrator.spec.hf import MAX_INPUTS, RECORD_KINDS
 from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
@@ -41,11 +43,11 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         set_path(raw, ("model", "script"), str(script))
     if spec.model.kind == "command":
         _command_paths(spec.model, here, raw, lines, str(spec_path))
-    _absolute_paths(spec, here, raw)
+    _absolute_paths(spec, here, raw, lines, str(spec_path))
     _data_cache(spec, home, raw)
     tasks = expand(spec, raw, lines, str(spec_path))
     for t in tasks:  # a sweep may set them too
-        _absolute_paths(t.spec, here)
+        _absolute_paths(t.spec, here, None, lines, str(spec_path))
         _data_cache(t.spec, home)
         if t.spec.model.kind == "command":
             _command_paths(t.spec.model, here, None, lines, str(spec_path))
@@ -109,21 +111,55 @@ def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str
             set_path(raw, ("model", "argv"), list(model.argv))
 
 
-def _absolute_paths(spec, here: Path, raw: dict | None = None) -> None:
+def _absolute_paths(spec, here: Path, raw: dict | None = None, lines: dict | None = None, source: str = "") -> None:
     """model.path, data.path, data.eval_path and data.cache_dir absolute, as the compute nodes need them
-    (relative ones are taken from the spec's folder)."""
-    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"), ("data", "cache_dir")):
-        obj = getattr(spec, section)
-        if obj.kind in ("hf", "jsonl") and getattr(obj, key, None):
-            absolute = str(_local_path(here, getattr(obj, key)))
-            setattr(obj, key, absolute)
-            if raw is not None:
-                set_path(raw, (section, key), absolute)
+    (relative ones are taken from the spec's folder); a data path's glob pattern expanded here,
+    once, so every start of every task reads the same files in the same order."""
+    if spec.model.kind == "hf":
+        spec.model.path = str(_local_path(here, spec.model.path))
+        if raw is not None:
+            set_path(raw, ("model", "path"), spec.model.path)
+    if spec.data.kind not in RECORD_KINDS:
+        return
+    d = spec.data
+    for key in ("path", "eval_path"):
+        value = getattr(d, key)
+        if value is None:
+            continue
+        found = _data_paths(value, here, ("data", key), lines or {}, source)
+        setattr(d, key, found[0] if isinstance(value, str) and len(found) == 1 else found)
+        if raw is not None:
+            set_path(raw, ("data", key), getattr(d, key))
+    if d.cache_dir:
+        d.cache_dir = str(_local_path(here, d.cache_dir))
+        if raw is not None:
+            set_path(raw, ("data", "cache_dir"), d.cache_dir)
+
+
+def _data_paths(given: str | list[str], here: Path, field: tuple, lines: dict, source: str) -> list[str]:
+    """Each path absolute, a glob pattern replaced by its matches, sorted; one that matches
+    nothing is an error naming the field (a missing plain path is preflight's to say). A
+    path that exists as written is taken as written, brackets and all."""
+    out: list[str] = []
+    for i, text in enumerate([given] if isinstance(given, str) else given):
+        path = str(_local_path(here, text))
+        if not glob.has_magic(text) or os.path.exists(path):
+            out.append(path)
+            continue
+        matches = sorted(glob.glob(path))
+        if not matches:
+            where = field if isinstance(given, str) else (*field, i)
+            raise SpecError([yamlsrc.issue(lines, where, f"'{text}' matches no file (taken from the spec's folder: {path})",
+                                           source)])
+        out += matches
+    if len(out) > MAX_INPUTS:
+        raise SpecError([yamlsrc.issue(lines, field, f"{len(out):,} inputs; at most {MAX_INPUTS:,} (merge the files)", source)])
+    return out
 
 
 def _data_cache(spec, home: Path, raw: dict | None = None) -> None:
     """data.cache_dir where none is given: the home's, shared by every experiment."""
-    if spec.data.kind == "jsonl" and not spec.data.cache_dir:
+    if spec.data.kind in RECORD_KINDS and not spec.data.cache_dir:
         spec.data.cache_dir = str((home / "cache" / "data").resolve())
         if raw is not None:
             set_path(raw, ("data", "cache_dir"), spec.data.cache_dir)

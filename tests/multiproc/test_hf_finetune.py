@@ -135,7 +135,7 @@ def test_bitsandbytes_stays_out_of_a_rank_whose_model_is_not_4_bit(tiny_model, t
 SPEC = """\
 name: hf-resume
 model: {{kind: hf, path: {model}, {adapter}}}
-data: {{kind: jsonl, path: {data}, max_length: 48, packing: {packing}, eval_fraction: 0.25}}
+data: {{kind: {kind}, path: {data}, max_length: 48, packing: {packing}, eval_fraction: 0.25}}
 eval: {{every_steps: 4, max_batches: 2}}
 engine: {engine}
 optimizer: {{lr: 1.0e-2}}
@@ -163,7 +163,7 @@ ENGINES = {
 def test_lora_interrupted_and_resumed_matches_the_uninterrupted_run_bitwise(home, tmp_path, tiny_model, chat_data, engine):
     from test_resume import run_and_interrupt
 
-    spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=chat_data, engine=ENGINES[engine],
+    spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=chat_data, kind="jsonl", engine=ENGINES[engine],
                                                     adapter="lora: {r: 4, alpha: 8, dropout: 0.1}", packing="true")
                  # 12 steps of this model take about 2 s: each sleeps 0.4 s more, so that the signal
                  # sent after step 6 comes well before the last (the losses do not change)
@@ -195,7 +195,13 @@ def test_lora_interrupted_and_resumed_matches_the_uninterrupted_run_bitwise(home
 
 @pytest.mark.multiproc
 def test_full_fine_tune_and_qlora_train_with_the_eval_loss_in_status(home, tmp_path, tiny_model, chat_data):
-    spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=chat_data, engine="{kind: ddp}",
+    """... on records in two Parquet files named by a glob (the compute side reads what submit expanded)."""
+    import datasets
+
+    rows = [json.loads(line) for line in chat_data.read_text().splitlines()]
+    for i, part in enumerate((rows[:40], rows[40:])):
+        datasets.Dataset.from_list(part).to_parquet(str(tmp_path / f"train-{i}.parquet"))
+    spec = write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data="train-*.parquet", kind="parquet", engine="{kind: ddp}",
                                                     adapter="lora: null", packing="false"))
     out = cli("submit", str(spec), "--executor", "local", "--set", 'sweep={grid: {model.qlora: [null, {r: 4, alpha: 8, compute_dtype: fp32}]}}', "--wait", "--json", home=home)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -207,3 +213,4 @@ def test_full_fine_tune_and_qlora_train_with_the_eval_loss_in_status(home, tmp_p
         assert losses[-1] < losses[0] - 0.1, losses
     log = cli("logs", "hf-resume", "--task", "1", "--rank", "0", home=home).stdout
     assert "trainable parameters of" in log
+    assert f"{tmp_path / 'train-0.parquet'} and 1 more: {len(rows) - len(rows) // 4} records" in log, log[-3000:]

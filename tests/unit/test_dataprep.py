@@ -166,3 +166,73 @@ def test_several_processes_prepare_the_same_examples_as_one(tmp_path, tok):
     for i in range(len(one)):
         assert all(np.array_equal(a, b) for a, b in zip(one.tokens(i, 10**6), two.tokens(i, 10**6)))
     assert np.array_equal(one.lengths, two.lengths)
+
+
+def _as_tables(jsonl: Path, folder: Path) -> tuple[Path, Path]:
+    """The same records as a Parquet file (with a column the trainer does not read) and as
+    a folder written by datasets' save_to_disk."""
+    import datasets
+
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    ds = datasets.Dataset.from_list([{**r, "source": "made here"} for r in rows])
+    ds.to_parquet(str(folder / "d.parquet"))
+    ds.save_to_disk(str(folder / "saved"))
+    return folder / "d.parquet", folder / "saved"
+
+
+@pytest.mark.parametrize("fmt", ["chat", "instruction"])
+def test_parquet_files_and_saved_data_sets_prepare_the_same_examples_as_their_json_lines(tmp_path, tok, fmt):
+    data = tiny.make_chat_data(tmp_path / "a.jsonl", n=30, fmt=fmt)
+    parquet, saved = _as_tables(data, tmp_path)
+    cache = tmp_path / "cache"
+    prepare = lambda paths, kind: ranks.find_or_prepare(ranks.Source(paths, fmt, kind), tok, str(cache), Said(), print)  # noqa: E731
+    ref = prepare([str(data)], "jsonl")
+    for got in (prepare([str(parquet)], "parquet"), prepare([str(saved)], "arrow")):
+        assert got.entry != ref.entry and len(got) == len(ref) == 30  # another input kind: another entry
+        assert got.lines.tolist() == list(range(1, 31))  # a table's records are named by row
+        for i in range(len(ref)):
+            assert all(np.array_equal(a, b) for a, b in zip(got.tokens(i, 10**6), ref.tokens(i, 10**6)))
+    # several inputs read in order make one set; it is reused by content, whatever the files are called
+    half = tmp_path / "b.jsonl"
+    half.write_text(data.read_text())
+    both, said = prepare([str(data), str(half)], "jsonl"), Said()
+    assert len(both) == 60 and np.array_equal(both.lengths[:30], ref.lengths) and np.array_equal(both.lengths[30:], ref.lengths)
+    assert ranks.find_or_prepare(ranks.Source([str(half), str(data)], fmt, "jsonl"), tok, str(cache), said, print).entry == both.entry
+    assert said.kinds() == ["data.reused"]
+
+
+def test_bad_rows_and_unreadable_tables_are_named_at_preparation_and_nothing_outside_a_saved_folder_is_read(tmp_path, tok):
+    import datasets
+
+    from train_entry.dataprep import sources
+
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    bad = {"messages": [{"role": "user", "content": "q"}]}
+    datasets.Dataset.from_list([good, good, bad]).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(chatdata.RecordError, match=rf"{tmp_path / 'bad.parquet'} row 3: no assistant message"):
+        sources.count(str(tmp_path / "bad.parquet"), "parquet", "chat")
+    datasets.Dataset.from_list([{"prompt": "p", "completion": "c"}]).to_parquet(str(tmp_path / "inst.parquet"))
+    with pytest.raises(UserCodeError, match=r"no column 'messages' \(data.format: chat\); its columns: prompt, completion"):
+        sources.count(str(tmp_path / "inst.parquet"), "parquet", "chat")
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(UserCodeError, match="cannot read as parquet"):
+        sources.count(str(tmp_path / "junk.parquet"), "parquet", "chat")
+    # a DatasetDict's folder: told which split to name
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([good])}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(UserCodeError, match=r"holds several splits \(train\).*e.g. .*dd/train"):
+        sources.count(str(tmp_path / "dd"), "arrow", "chat")
+    assert sources.count(str(tmp_path / "dd" / "train"), "arrow", "chat") == 1
+    # a hostile state.json naming files outside its folder, or a link out of it
+    outside = tmp_path / "dd" / "train" / next(p.name for p in (tmp_path / "dd" / "train").glob("*.arrow"))
+    for i, name in enumerate(("../../secret.arrow", "/etc/passwd", "sub/x.arrow")):
+        hostile = tmp_path / f"hostile-{i}"
+        hostile.mkdir()
+        (hostile / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}]}))
+        with pytest.raises(UserCodeError, match=r"_data_files\[0\] is not the plain name of an .arrow file"):
+            sources.count(str(hostile), "arrow", "chat")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "data.arrow").symlink_to(outside)
+    (linked / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data.arrow"}]}))
+    with pytest.raises(UserCodeError, match="names 'data.arrow', which is not a file in"):
+        sources.count(str(linked), "arrow", "chat")

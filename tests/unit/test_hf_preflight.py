@@ -224,3 +224,40 @@ def test_paths_a_sweep_sets_are_taken_from_the_spec_folder_too(tmp_path, tiny_mo
     plan = make_plan(str(spec), [], "local", tmp_path / "home")
     assert [t.config.data["path"] for t in plan.tasks] == [str(tmp_path / "other.jsonl")] * 2
     assert [t.params for t in plan.tasks][0] == {"data.path": "other.jsonl"}  # as written, for the user
+
+
+def test_data_as_a_glob_a_list_parquet_files_or_a_saved_data_set(home, tmp_path, tiny_model, chat_data):
+    """A glob is expanded once, at submit, sorted; every input is checked as JSON lines are;
+    errors name the list item and the file's row."""
+    import datasets
+
+    from orchestrator.errors import SpecError
+    from orchestrator.submit.submission import make_plan
+
+    rows = [json.loads(line) for line in chat_data.read_text().splitlines()]
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i in (2, 1):
+        datasets.Dataset.from_list(rows).to_parquet(str(parts / f"train-{i}.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    spec = make_spec(tmp_path, tiny_model, chat_data)
+
+    def data(text: str) -> Path:
+        spec.write_text(spec.read_text().splitlines(keepends=True)[0] + "".join(
+            line if not line.startswith("data:") else text + "\n" for line in spec.read_text().splitlines(keepends=True)[1:]))
+        return spec
+
+    plan = make_plan(str(data("data: {kind: parquet, path: parts/train-*.parquet, eval_path: [parts/train-1.parquet]}")), [],
+                     "local", home)
+    assert list(plan.tasks[0].config.data["path"]) == [str(parts / "train-1.parquet"), str(parts / "train-2.parquet")]
+    assert list(plan.tasks[0].config.data["eval_path"]) == [str(parts / "train-1.parquet")]
+    assert make_plan(str(data("data: {kind: arrow, path: saved}")), [], "local", home).tasks[0].config.data["path"] == \
+        str(tmp_path / "saved")
+
+    with pytest.raises(SpecError, match=r"exp.yaml:9: data.path: 'parts/nope-\*.parquet' matches no file"):
+        make_plan(str(data("data: {kind: parquet, path: parts/nope-*.parquet}")), [], "local", home)
+    datasets.Dataset.from_list(rows[:3] + [{"messages": []}]).to_parquet(str(parts / "bad.parquet"))
+    out = cli("validate", str(data("data: {kind: parquet, path: [parts/train-1.parquet, parts/bad.parquet, saved]}")), home=home)
+    refused(out, home, spec, "2 problems", f"data.path[1]: {parts / 'bad.parquet'} row 4: a chat record needs a non-empty "
+            "list 'messages'", "fix or remove that row", f"data.path[2]: '{tmp_path / 'saved'}' is a folder; give the Parquet "
+            "file of records (a folder written by save_to_disk is data.kind: arrow)")

@@ -135,7 +135,7 @@ def test_reference_says_which_trainers_act_on_a_field():
     trainer = "*Built-in trainer only; a `script` or `command` model ignores it.*"
     assert meaning["checkpoint.every_steps"].endswith(trainer)
     assert meaning["schedule.warmup_steps"].endswith(trainer)  # from its section's marker
-    assert meaning["data[kind=jsonl].path"].endswith(trainer)
+    assert meaning["data[kind=jsonl/parquet/arrow].path"].endswith(trainer)
     assert "a `command` without one ignores it" in meaning["checkpoint.keep_last"]
     assert "a `command` without one ignores it" in meaning["checkpoint.consolidate.dtype"]
     assert "not the built-in trainer" in meaning["heartbeat.save_timeout_s"]

@@ -39,19 +39,22 @@ class Inputs:
     fmt: str
     key: str
     parts: dict = field(repr=False)
+    kind: str = "jsonl"
 
 
-def inputs(paths: list[str], fmt: str, tokenizer, cache_root: str | os.PathLike) -> Inputs:
+def inputs(paths: list[str], fmt: str, tokenizer, cache_root: str | os.PathLike, kind: str = "jsonl") -> Inputs:
     import xxhash
 
     parts = {
         "prep": PREP_VERSION,
         "format": fmt,
-        "inputs": [sources.digest(p, cache_root) for p in paths],  # content only: a renamed copy is the same data
+        "inputs": [sources.digest(p, cache_root, kind) for p in paths],  # content only: a renamed copy is the same data
         "tokenizer": tokenizer_digest(tokenizer),
         "libraries": _versions(),
     }
-    return Inputs(list(paths), fmt, xxhash.xxh3_128(json.dumps(parts, sort_keys=True).encode()).hexdigest(), parts)
+    if kind != "jsonl":  # JSON lines' entries keep the keys they had before the other kinds came
+        parts["kind"] = kind
+    return Inputs(list(paths), fmt, xxhash.xxh3_128(json.dumps(parts, sort_keys=True).encode()).hexdigest(), parts, kind)
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -90,7 +93,7 @@ def prepare(data: Inputs, tokenizer, cache_root: str | os.PathLike, progress: Pr
         st = (out / EXAMPLES).stat()
         manifest = {"created": time.time(), "took_s": round(time.time() - started, 3), "counts": counts,
                     "inputs": [{"path": p[:4096], "digest": d} for p, d in zip(data.paths, data.parts["inputs"])],
-                    "format_of_records": data.fmt, "key_parts": data.parts,
+                    "format_of_records": data.fmt, "kind_of_inputs": data.kind, "key_parts": data.parts,
                     "files": {EXAMPLES: {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": sources.file_digest(out / EXAMPLES)}}}
         entry = datacache.commit_entry(out, root, data.key, manifest)
         return entry, datacache.read_manifest(entry)
@@ -116,7 +119,7 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
     datasets.disable_progress_bars()  # progress goes to the heartbeat, events and the command's bar
     datasets.utils.logging.set_verbosity_error()
     raw = datasets.Dataset.from_generator(
-        sources.raw_lines, gen_kwargs={"paths": data.paths}, cache_dir=str(scratch / "raw"),
+        sources.raw_lines, gen_kwargs={"paths": data.paths, "kind": data.kind, "fmt": data.fmt}, cache_dir=str(scratch / "raw"),
         features=datasets.Features({"file": datasets.Value("int32"), "line": datasets.Value("int64"),
                                     "text": datasets.Value("string"), "error": datasets.Value("string")}),
         fingerprint=f"{data.key}-raw", keep_in_memory=False)
@@ -133,7 +136,7 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
     try:
         watch.start()
         enc = raw.map(
-            functools.partial(_encode_counted, tokenizer, data.fmt, sources.where(data.paths), str(counts_dir)),
+            functools.partial(_encode_counted, tokenizer, data.fmt, sources.where(data.paths, data.kind), str(counts_dir)),
             batched=True, batch_size=512, num_proc=procs if procs > 1 else None, remove_columns=["text"],
             features=datasets.Features({"file": datasets.Value("int32"), "line": datasets.Value("int64"),
                                         "input_ids": datasets.Sequence(datasets.Value("int32")),

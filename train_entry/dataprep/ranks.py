@@ -39,10 +39,14 @@ class Unwatched:
 
 @dataclass
 class Source:
-    """One data set a run reads: its files and record format."""
+    """One data set a run reads: its inputs, record format and kind of input (``sources.KINDS``)."""
 
     paths: list[str]
     fmt: str
+    kind: str = "jsonl"
+
+    def named(self) -> str:
+        return self.paths[0] + (f" and {len(self.paths) - 1} more" if len(self.paths) > 1 else "")
 
 
 def open_sets(sources: dict[str, Source], tokenizer, cache_root: str, task_dir: str | Path, ctx, hb, log: Callable[[str], None]) -> dict[str, Examples]:
@@ -63,7 +67,7 @@ def find_or_prepare(src: Source, tokenizer, cache_root: str, hb, log: Callable[[
     by whoever already is: this waits for it). Says what it did as an event; ``hb`` is a
     rank's heartbeat, or anything with its ``beat`` and ``event``."""
     t0 = time.time()
-    data = build.inputs(src.paths, src.fmt, tokenizer, cache_root)
+    data = build.inputs(src.paths, src.fmt, tokenizer, cache_root, src.kind)
     claim = datacache.Claim(cache_root, data.key)
     waited_for: dict | None = None
     while True:
@@ -71,10 +75,10 @@ def find_or_prepare(src: Source, tokenizer, cache_root: str, hb, log: Callable[[
         if found is not None:
             if waited_for is not None:
                 hb.event("data.waited", f"waited {time.time() - t0:.0f} s for {waited_for.get('host')} (pid "
-                         f"{waited_for.get('pid')}) to prepare {src.paths[0]}", key=data.key, seconds=round(time.time() - t0, 3))
+                         f"{waited_for.get('pid')}) to prepare {src.named()}", key=data.key, seconds=round(time.time() - t0, 3))
             else:
                 c = found.manifest["counts"]
-                hb.event("data.reused", f"{src.paths[0]}: the prepared set {data.key} ({c['records']:,} records, "
+                hb.event("data.reused", f"{src.named()}: the prepared set {data.key} ({c['records']:,} records, "
                          f"{c['tokens']:,} tokens) matches the files' content and the tokenizer; found and checked in "
                          f"{time.time() - t0:.2f} s", key=data.key, seconds=round(time.time() - t0, 3))
             return found
@@ -114,7 +118,7 @@ def _whole(data: build.Inputs, cache_root: str, hb, log) -> Examples | None:
 def _prepare(data: build.Inputs, tokenizer, cache_root: str, claim: datacache.Claim, hb, log, num_proc: int | None,
              on_progress: build.Progress | None) -> Examples:
     t0 = time.time()
-    log(f"preparing {', '.join(data.paths)} once for every run on the same content (cache {cache_root})")
+    log(f"preparing {_named(data.paths)} once for every run on the same content (cache {cache_root})")
     beating = _ClaimBeat(claim)
     said = [0.0, -1]
 
@@ -135,11 +139,15 @@ def _prepare(data: build.Inputs, tokenizer, cache_root: str, claim: datacache.Cl
     finally:
         beating.stop()
     c = manifest["counts"]
-    line = (f"prepared {c['records']:,} records ({c['tokens']:,} tokens) of {data.paths[0]} in {time.time() - t0:.1f} s "
+    line = (f"prepared {c['records']:,} records ({c['tokens']:,} tokens) of {_named(data.paths)} in {time.time() - t0:.1f} s "
             f"with {c['processes']} process(es): {entry}")
     log(line)
     hb.event("data.prepared", line, key=data.key, seconds=round(time.time() - t0, 3))
     return Examples(entry, manifest)
+
+
+def _named(paths: list[str]) -> str:
+    return Source(paths, "").named()
 
 
 class _ClaimBeat:

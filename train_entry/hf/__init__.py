@@ -1,4 +1,4 @@
-"""Hugging Face fine-tuning: ``model: {kind: hf}`` on ``data: {kind: jsonl}``.
+"""Hugging Face fine-tuning: ``model: {kind: hf}`` on records (``data: {kind: jsonl | parquet | arrow}``).
 
 ``load`` (tokenizer, model, adapters), ``chat`` (records -> masked examples, rows or
 packed rows, the loss). ``build`` gives the loop the same ``Workload`` as every model,
@@ -24,16 +24,16 @@ def build(cfg: contract.TaskConfig, task_dir, ctx, hb, log=print) -> Any:
     m, d = cfg.model, cfg.data
     tok = load.load_tokenizer(m)
     pad = load.pad_id(tok)
-    sources = {"train": ranks.Source([d["path"]], d["format"])}
+    sources = {"train": ranks.Source(_paths(d["path"]), d["format"], d["kind"])}
     if d.get("eval_path"):
-        sources["eval"] = ranks.Source([d["eval_path"]], d["format"])
+        sources["eval"] = ranks.Source(_paths(d["eval_path"]), d["format"], d["kind"])
     sets = ranks.open_sets(sources, tok, d["cache_dir"], task_dir, ctx, hb, log)
     train, n = sets["train"], len(sets["train"])
     held = store.held_out(n, d["eval_fraction"], cfg.seed) if d.get("eval_fraction") else None
     indices = np.arange(n, dtype=np.int64) if held is None else np.setdiff1d(np.arange(n, dtype=np.int64), held)
     kept = store.usable(train, indices, d["max_length"])
     if not len(kept):
-        raise UserCodeError(f"{d['path']}: no example has an answer token within data.max_length ({d['max_length']})")
+        raise UserCodeError(f"{sources['train'].named()}: no example has an answer token within data.max_length ({d['max_length']})")
     evals = None
     if held is not None or "eval" in sets:
         source = train if held is not None else sets["eval"]
@@ -44,7 +44,7 @@ def build(cfg: contract.TaskConfig, task_dir, ctx, hb, log=print) -> Any:
     truncated = int((train.lengths[indices] > d["max_length"]).sum())
     loaded = load.load_model(m, cfg.seed, cfg.deepspeed_config, cfg.engine)
     model = loaded.model
-    log(f"{d['path']}: {len(indices)} records -> {len(kept)} examples"
+    log(f"{sources['train'].named()}: {len(indices)} records -> {len(kept)} examples"
         + (f" in {len(dataset)} packed rows" if d["packing"] else "")
         + (f", {truncated} truncated to {d['max_length']} tokens" if truncated else "")
         + (f", {len(indices) - len(kept)} left out (no answer token within max_length)" if len(kept) < len(indices) else "")
@@ -55,3 +55,8 @@ def build(cfg: contract.TaskConfig, task_dir, ctx, hb, log=print) -> Any:
         fill=loaded.fill,
         trainable_only=bool(m.get("lora") or m.get("qlora")),
     )
+
+
+def _paths(value) -> list[str]:
+    """data.path as submit wrote it: one path, or the list a glob or the spec gave."""
+    return [value] if isinstance(value, str) else [str(p) for p in value]
