@@ -2,7 +2,7 @@
 per-rank tokenizing every start did before, and against a plain `datasets.map` of the
 same records with the same number of processes.
 
-    python bench/data_scale.py [--sizes 10000,100000,1000000] [--before-max 100000] [--e2e] [--json]
+    python bench/data_scale.py [--sizes 10000,100000,1000000] [--before-max 100000] [--e2e] [--restart [--cache DIR]] [--json]
 
 For each size, generated chat records (1-3 turns of realistic length, SmolLM2's tokenizer):
 - prepare: `find_or_prepare` into an empty cache, one process per core: seconds and
@@ -17,6 +17,9 @@ For each size, generated chat records (1-3 turns of realistic length, SmolLM2's 
 --e2e: on the largest size and the cache prepared above, `orchestrate data prepare`, then
 two LoRA fine-tunes of SmolLM2 on 2 ranks (local executor, 2 steps): the data's share of
 each one's start-up from the ledger's `data.reused` event.
+--restart [--cache DIR]: only this, on the largest size: the set prepared (or found in DIR),
+then a LoRA fine-tune of SmolLM2 on 2 ranks whose rank 1 is killed past its first
+checkpoint: the in-place restart to its first step against the launch's cold start.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -145,10 +149,12 @@ def child(task: dict) -> dict:
         return {"s": s, "rss_mb": _rss_mb() - base, "rows": len(packed), "key": ex.entry.name}
     if kind == "before":
         from orchestrator.contract import chatdata
+        from train_entry.dataprep import sources
 
-        records = list(chatdata.read_records(task["data"], "chat"))
+        # the trainer before issue 30: every record parsed into Python lists on every rank
+        records = [chatdata.to_messages(json.loads(r["text"]), "chat", str(r["line"])) for r in sources.raw_lines([task["data"]])]
         examples = []
-        for _, messages in records:
+        for messages in records:
             full, target = _naive_encode(tok, messages)
             full, target = full[:MAX_LENGTH], target[:MAX_LENGTH]
             labels = [full[i + 1] if target[i + 1] else -100 for i in range(len(full) - 1)] + [-100]
@@ -168,17 +174,20 @@ def run_child(task: dict, timeout: float = 7200) -> dict:
 # ---------------------------------------------------------------- end to end
 
 
+def _lora_spec(path: Path, name: str, data: Path, cache: str, **fields) -> Path:
+    """A LoRA fine-tune of SmolLM2 on 2 ranks, packed rows of MAX_LENGTH, on ``cache``."""
+    path.write_text(json.dumps({
+        "name": name, "model": {"kind": "hf", "path": str(MODEL), "lora": {"r": 8, "alpha": 16}},
+        "data": {"kind": "jsonl", "path": str(data), "max_length": MAX_LENGTH, "packing": True, "cache_dir": cache},
+        "batch": {"micro_batch_size": 1}, "resources": {"tasks_per_node": 2}, "logging": {"every_steps": 1}, **fields}))
+    return path
+
+
 def e2e(data: Path, work: Path, cache: str) -> dict:
     """On the cache the preparation above filled (data.cache_dir): what a user's runs do
     after `orchestrate data prepare`."""
-    home = work / "home"
-    env = {**os.environ, "ORCHESTRATE_HOME": str(home)}
-    spec = work / "lora.yaml"
-    spec.write_text(json.dumps({
-        "name": "bench-data-scale", "model": {"kind": "hf", "path": str(MODEL), "lora": {"r": 8, "alpha": 16}},
-        "data": {"kind": "jsonl", "path": str(data), "max_length": MAX_LENGTH, "packing": True, "cache_dir": cache},
-        "batch": {"micro_batch_size": 1}, "steps": 2, "checkpoint": {"every_steps": None},
-        "resources": {"tasks_per_node": 2}, "logging": {"every_steps": 1}}))
+    env = {**os.environ, "ORCHESTRATE_HOME": str(work / "home")}
+    spec = _lora_spec(work / "lora.yaml", "bench-data-scale", data, cache, steps=2, checkpoint={"every_steps": None})
     t0 = time.perf_counter()
     prep = subprocess.run([python(), "-m", "orchestrator", "data", "prepare", str(spec), "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=7200)
@@ -202,12 +211,76 @@ def e2e(data: Path, work: Path, cache: str) -> dict:
     return out
 
 
+def restart(data: Path, work: Path, cache: str) -> dict:
+    """A rank killed at this scale, restarted in place (same launch, next generation), timed
+    from the trainer's own records against the same launch's cold start: the kill to the
+    restarted ranks' first step, split into the data's share (the ledger's data event of
+    that generation), start-up and checkpoint load."""
+    from orchestrator import contract
+
+    home = work / "home-restart"
+    env = {**os.environ, "ORCHESTRATE_HOME": str(home)}
+    spec = _lora_spec(work / "restart.yaml", "bench-data-restart", data, cache, steps=100000,
+                      checkpoint={"every_steps": 3, "keep_last": 2}, retry={"max_restarts": 2}, heartbeat={"interval_s": 0.5})
+    run = subprocess.Popen([python(), "-m", "orchestrator", "submit", str(spec), "--executor", "local", "--wait"], cwd=REPO,
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        tdir = _wait(lambda: next(iter(sorted((home / "runs").glob("*/tasks/0"))), None) if (home / "runs").is_dir() else None,
+                     "the run folder", 600)
+
+        def rows() -> list[dict]:
+            return contract.read_jsonl_from(contract.metrics_path(tdir), 0)[0]
+
+        def first(where) -> dict | None:
+            found = [m for m in rows() if where(m)]
+            return min(found, key=lambda m: m["step"]) if found else None
+
+        _wait(lambda: True if max((m["step"] for m in rows()), default=0) >= 5 else None, "step 5 (past the first checkpoint)", 1800)
+        victim = contract.read_json(contract.heartbeat_path(tdir, 1))
+        launch = victim["launch"]
+        start = contract.read_json(contract.start_path(contract.launch_dir(tdir, launch)))
+        cold = first(lambda m: m["launch"] == launch and m.get("generation", 0) == 0)["time"] - start["time"]
+        t_kill = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        again = _wait(lambda: first(lambda m: m["launch"] == launch and m.get("generation") == 1), "the restart's first step", 1800)
+        events = contract.read_jsonl_from(contract.events_path(tdir), 0)[0]
+
+        def of_generation(kind: str, generation: int) -> dict | None:
+            return next((e for e in events if e.get("event") == kind and e.get("launch") == launch
+                         and e.get("generation", 0) == generation), None)
+
+        cold_data = of_generation("data.reused", 0) or of_generation("data.prepared", 0) or {}
+        warm_data = of_generation("data.reused", 1) or {}
+        resumed = of_generation("checkpoint.resumed", 1) or {}
+        return {"cold_start_s": cold, "restart_s": again["time"] - t_kill, "cold_data_s": cold_data.get("seconds"),
+                "restart_data_s": warm_data.get("seconds"), "restart_startup_s": resumed.get("startup_s"),
+                "restart_load_s": resumed.get("load_s"), "resumed_step": resumed.get("step")}
+    finally:
+        subprocess.run([python(), "-m", "orchestrator", "cancel", "bench-data-restart"], cwd=REPO, env=env, capture_output=True,
+                       timeout=120)
+        try:
+            run.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+
+
+def _wait(probe, what: str, timeout: float):
+    deadline = time.time() + timeout
+    while (got := probe()) is None:
+        if time.time() > deadline:
+            raise SystemExit(f"data_scale: no {what} after {timeout:.0f} s")
+        time.sleep(0.5)
+    return got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--before-max", type=int, default=100000)
     ap.add_argument("--peer-max", type=int, default=100000)
     ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--restart", action="store_true", help="only: kill a rank of a LoRA fine-tune on the largest size")
+    ap.add_argument("--cache", help="a cache folder to keep (default: a temporary one per size)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child")
     args = ap.parse_args()
@@ -216,10 +289,19 @@ def main() -> int:
         return 0
     procs = len(os.sched_getaffinity(0))
     results = {"procs": procs, "sizes": {}}
+    if args.restart:  # the restart figure alone, on a cache prepared first (kept with --cache: prepared once)
+        n = max(int(s) for s in args.sizes.split(","))
+        data = make_data(n)
+        with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+            cache = str(Path(args.cache) if args.cache else Path(tmp) / "cache")
+            prep = run_child({"kind": "prepare", "data": str(data), "cache": cache, "procs": procs})
+            results["sizes"][str(n)] = {"restart": restart(data, Path(tmp), cache), "prepare": prep}
+        print(json.dumps(results) if args.json else render(results))
+        return 0
     for n in [int(s) for s in args.sizes.split(",")]:
         data = make_data(n)
         with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
-            cache = str(Path(tmp) / "cache")
+            cache = str(Path(args.cache) if args.cache else Path(tmp) / "cache")
             r: dict = {"bytes": data.stat().st_size}
             r["prepare"] = run_child({"kind": "prepare", "data": str(data), "cache": cache, "procs": procs})
             if n <= args.peer_max:
@@ -230,6 +312,7 @@ def main() -> int:
                 r["before"] = run_child({"kind": "before", "data": str(data)})
             if args.e2e and n == max(int(s) for s in args.sizes.split(",")):
                 r["e2e"] = e2e(data, Path(tmp), cache)
+
         results["sizes"][str(n)] = r
         print(f"data_scale: {n} done", file=sys.stderr, flush=True)
     if args.json:
@@ -240,10 +323,13 @@ def main() -> int:
 
 
 def render(res: dict) -> str:
-    lines = [f"Processes for preparing: {res['procs']} (one per core).", "",
-             "| records | JSONL | tokens | prepare | records/s | `datasets.map` peer | ratio | rank 0 data start | other rank | "
-             "rank's data RSS | tokens x 8 B | before: one rank's start | before: RSS |", "|" + "---|" * 13]
+    lines = [f"Processes for preparing: {res['procs']} (one per core).", ""]
+    if any("rank0" in r for r in res["sizes"].values()):
+        lines += ["| records | JSONL | tokens | prepare | records/s | `datasets.map` peer | ratio | rank 0 data start | other rank | "
+                  "rank's data RSS | tokens x 8 B | before: one rank's start | before: RSS |", "|" + "---|" * 13]
     for n, r in res["sizes"].items():
+        if "rank0" not in r:
+            continue
         p, peer, before = r["prepare"], r.get("peer"), r.get("before")
         ours = p["records"] / p["s"]
         theirs = peer["records"] / peer["s"] if peer else None
@@ -261,12 +347,25 @@ def render(res: dict) -> str:
             for i, run in enumerate(e["runs"], 1):
                 lines.append(f"- run {i}: ledger {', '.join(run['data_events'])}; the data's share of the start "
                              f"{run['data_s']:.2f} s of {run['startup_s']:.1f} s to the first step")
+    for n, r in res["sizes"].items():
+        if "restart" in r:
+            x = r["restart"]
+            lines += ["", f"A rank killed at {int(n):,} records (LoRA fine-tune of SmolLM2 on 2 ranks, local executor, "
+                      f"in place): its launch's cold start {x['cold_start_s']:.1f} s to the first step (the data's share "
+                      f"{_s(x['cold_data_s'])}); the kill to the restarted ranks' first step {x['restart_s']:.1f} s "
+                      f"({x['restart_s'] / x['cold_start_s']:.2f}x the cold start; the data's share {_s(x['restart_data_s'])}, "
+                      f"start-up {_s(x['restart_startup_s'])}, checkpoint load {_s(x['restart_load_s'])}, resumed from "
+                      f"step {x['resumed_step']})."]
     lines += ["", "A rank's data start is after the tokenizer is loaded: the key (input digest remembered), the entry found "
               "and checked (rank 0 reads it whole against its digest only if the file changed since it was written), the 1 % "
               "held-out split, packing, one batch. RSS: the peak above the process's own after its imports, after 50 more "
               "random batches (it counts the mapped file's pages the process touched, which the node's ranks share). The "
               "1 M row has no peer and no before: each would take about an hour here (the 10 k row gives their ratios)."]
     return "\n".join(lines)
+
+
+def _s(value) -> str:
+    return "-" if value is None else f"{value:.2f} s"
 
 
 if __name__ == "__main__":

@@ -75,6 +75,10 @@ class DDPEngine(DCPState, TorchOptimizerStep, Engine):
         # bucket (the ring's chunks), so a resumed run's first step, made with the first
         # layout, would round differently from the uninterrupted run's (one ulp, more ranks
         # than two). One discarded backward gives the layout: no optimizer step, gradients
-        # dropped (worker.settle keeps buffers and random streams as they were).
+        # dropped (worker.settle keeps buffers and random streams as they were). Two ranks
+        # need none: each element is the sum of two addends, the same in either order, and a
+        # backward of a large model costs a restart as much as a step.
+        if dist.get_world_size() <= 2:
+            return
         self.micro_step(inputs, targets, loss_fn, accum=1, last=True)
         self.optimizer.zero_grad(set_to_none=True)
