@@ -36,9 +36,15 @@ def warm_modules(model_kind: str, engine_kind: str, cpu: bool = False) -> list[s
     """What the worker imports before its first step. DeepSpeed picks its op builds from the
     device, so it is left to the worker unless the ranks are known to run on CPU."""
     mods = ["torch", "torch.distributed", "torch.distributed.checkpoint", "orchestrator.contract", "train_entry.errors", "train_entry.env",
-            "train_entry.session", "train_entry.checkpoint.checkpointer", "train_entry.engines", "train_entry.models"]  # the worker's own: run fresh
+            "train_entry.session", "train_entry.checkpoint.checkpointer", "train_entry.engines", "train_entry.models",
+            "torch._dynamo"]  # the worker's own: run fresh. torch._dynamo: every torch optimizer imports it when made (~1 s)
     if engine_kind in ("ddp", "fsdp") or (engine_kind == "deepspeed" and cpu):
         mods.append(f"train_entry.engines.{engine_kind}")
+    if engine_kind == "deepspeed" and cpu:
+        # DeepSpeed's ZeRO imports its Muon optimizer when it checks the client's optimizer and
+        # when it averages gradients; the import compiles kernels and brings torch's inductor:
+        # 3-4 s of a core in every rank, at every start and restart, unless done here once
+        mods.append("deepspeed.runtime.zero.muon.muon_optimizer")
     if model_kind == "hf":
         mods += ["transformers", "peft", "train_entry.hf", "pyarrow", "train_entry.dataprep.ranks"]
     return mods

@@ -14,6 +14,7 @@ from orchestrator.cli.console import stdout_console
 from orchestrator.contract import datacache
 from orchestrator.errors import UserError
 from orchestrator.ledger import access
+from orchestrator.spec.hf import RECORD_KINDS
 
 
 def cmd_data(args) -> int:
