@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -45,9 +47,16 @@ def cli(*args: str, home: Path, timeout: float = 300, cwd: Path | None = None) -
 
 
 def status_json(home: Path, *ref: str) -> dict:
-    out = cli("status", *ref, "--json", home=home)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    """`orchestrate status --json`, run in this process: the command's own code, its refresh
+    included, without a Python start and its imports at every poll (the tests poll often:
+    400 processes, 90 s of a core, in a run of the suite)."""
+    from orchestrator.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--home", str(home), "status", *ref, "--json"])
+    assert rc == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def submit(home: Path, *args: str) -> str:

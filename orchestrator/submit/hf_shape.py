@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +118,36 @@ def matches(target: str, name: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def target_problems(model, targets: list[str]) -> list[tuple[int, str]]:
-    """(index in targets, what is wrong) for each target LoRA cannot use: one that names no
-    module, or one that names a module peft cannot adapt (a block, a norm)."""
+def outline_of(model):
+    """The model's shape and every module's path, class and kind: all the checks need, kept
+    by ``outlines`` so that the next check of the same config imports nothing."""
+    from orchestrator.submit.outlines import Outline
+
     torch, _ = _libs()
     linear = linear_layers(model)
+    modules = tuple((n, type(m).__name__, "linear" if n in linear else "embedding" if isinstance(m, torch.nn.Embedding) else "other")
+                    for n, m in model.named_modules() if n)
+    shape = asdict(shape_of_model(model))
+    shape["linear"] = [[n, i, o] for n, (i, o) in shape["linear"].items()]  # a list: JSON keeps its order
+    return Outline(shape, modules)
+
+
+def shape_of_outline(outline) -> HFShape:
+    """The shape an outline holds; TypeError, ValueError or KeyError when it holds another thing."""
+    d = dict(outline.shape)
+    return HFShape(**{**d, "linear": {str(n): (int(i), int(o)) for n, i, o in d["linear"]}})
+
+
+def target_problems(outline, targets: list[str]) -> list[tuple[int, str]]:
+    """(index in targets, what is wrong) for each target LoRA cannot use: one that names no
+    module, or one that names a module peft cannot adapt (a block, a norm)."""
     problems = []
     for i, target in enumerate(targets):
-        hits = [(n, m) for n, m in model.named_modules() if n and matches(target, n)]
+        hits = [(n, cls, kind) for n, cls, kind in outline.modules if matches(target, n)]
         if not hits:
-            problems.append((i, f"'{target}' is not a module of this model ({type(model).__name__})"))
+            problems.append((i, f"'{target}' is not a module of this model ({outline.shape['model_class']})"))
             continue
-        other = sorted({type(m).__name__ for n, m in hits if n not in linear and not isinstance(m, torch.nn.Embedding)})
+        other = sorted({cls for _, cls, kind in hits if kind == "other"})
         if other:
             problems.append((i, f"'{target}' names {', '.join(other)} modules, not linear layers"))
     return problems

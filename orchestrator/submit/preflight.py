@@ -103,7 +103,7 @@ class _Checker:
         built = self._meta(m)
         if built is None:
             return problems, for_training
-        model, shape, error = built
+        outline, shape, error = built
         if error:
             return [(("model", "path"), f"'{m.path}': {error}")], for_training
         adapter = m.adapter
@@ -111,7 +111,7 @@ class _Checker:
             field = ("model", "qlora" if m.qlora is not None else "lora", "target_modules")
             from orchestrator.submit import hf_shape
 
-            bad = hf_shape.target_problems(model, adapter.target_modules)
+            bad = hf_shape.target_problems(outline, adapter.target_modules)
             if bad:
                 names = hf_shape.leaf_names(shape.linear)
                 have = ", ".join(names) if names else "none"
@@ -124,14 +124,26 @@ class _Checker:
         return problems, for_training
 
     def _meta(self, m):
-        """(meta model, its shape, error text) or None where transformers is not importable."""
-        from orchestrator.submit import hf_shape
+        """(the model's outline, its shape, error text) or None where transformers is not
+        importable. The outline of a config checked before comes from the user's cache: no
+        torch, no transformers imported (``outlines``)."""
+        from orchestrator.submit import hf_shape, outlines
 
         key = (m.path, m.gguf_file, m.attn_implementation)
         if key not in self._models:
+            kept = outlines.key(m.path, m.gguf_file, m.attn_implementation)
+            found = outlines.read(kept) if kept else None
+            if found is not None:
+                try:
+                    self._models[key] = (found, hf_shape.shape_of_outline(found), None)
+                    return self._models[key]
+                except (TypeError, ValueError, KeyError):
+                    pass  # not an outline this version wrote: built again below, and kept
             try:
-                model = hf_shape.meta_model(m.path, m.gguf_file, m.attn_implementation)
-                self._models[key] = (model, hf_shape.shape_of_model(model), None)
+                outline = hf_shape.outline_of(hf_shape.meta_model(m.path, m.gguf_file, m.attn_implementation))
+                if kept:
+                    outlines.write(kept, outline)
+                self._models[key] = (outline, hf_shape.shape_of_outline(outline), None)
             except hf_shape.Unavailable as exc:
                 if not self._warned:
                     log.warning("%s on this node: model.path's config and LoRA target modules are not checked "

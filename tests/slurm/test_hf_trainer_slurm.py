@@ -32,9 +32,11 @@ steps: {steps}
 checkpoint: {{keep_last: 2{resume}}}
 heartbeat: {{interval_s: 1}}
 resources: {{nodes: 1, tasks_per_node: {ranks}, cpus_per_task: 1, time: "00:10:00"{partition}}}
+env: {{ORCHESTRATE_FAULT_SLOW_STEP_S: "{slow}"}}
 """
-# a tiny model trains a step in ~20 ms: enough steps that the preemption lands mid-run
-STEPS = 400
+# a tiny model trains a step in ~20 ms: each sleeps 0.1 s more (asleep: no CPU, the same
+# losses), so that the preemption lands mid-run whatever the machine's speed
+STEPS, SLOW_S = 100, 0.1
 ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed")}
 
 
@@ -46,10 +48,11 @@ def data(tiny_model, tmp_path_factory) -> Path:
     return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=72)
 
 
-def spec(tmp_path, name, model, data, engine="ddp", steps=40, save=10, partition=None, resume_from=None, ranks=2) -> Path:
+def spec(tmp_path, name, model, data, engine="ddp", steps=40, save=10, partition=None, resume_from=None, ranks=2, slow=0) -> Path:
     ds, extra = ENGINES[engine]
     return write(tmp_path / f"{name}.yaml", SPEC.format(
         name=name, script=SCRIPT, model=model, data=data, out=tmp_path / f"{name}-out", steps=steps, save=save, extra=extra, ranks=ranks,
+        slow=slow,
         engine=ds, resume="" if resume_from is None else f", resume_from: {resume_from}",
         partition="" if partition is None else f", partition: {partition}"))
 
@@ -68,7 +71,8 @@ def local_run(home, spec_path) -> dict:
 @pytest.mark.slurm
 @pytest.mark.parametrize("engine", ["ddp", "zero2"])
 def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home, tmp_path, watcher, tiny_model, data, engine):
-    preempted = spec(tmp_path, f"trainer-{engine}", tiny_model, data, engine, steps=STEPS, save=STEPS // 4, partition="low")
+    preempted = spec(tmp_path, f"trainer-{engine}", tiny_model, data, engine, steps=STEPS, save=STEPS // 4, partition="low",
+                     slow=SLOW_S)
     exp_id = submit(home, str(preempted), "--executor", "slurm")
     watcher(exp_id)
     tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)

@@ -203,7 +203,8 @@ def test_without_transformers_the_model_checks_are_skipped_with_a_warning(home, 
     block.mkdir()
     (block / "transformers.py").write_text("raise ImportError('no transformers here', name='transformers')\n")
     spec = make_spec(tmp_path, tiny_model, chat_data, targets="[q_proj, nope]")
-    env = {**os.environ, "ORCHESTRATE_HOME": str(home), "PYTHONPATH": str(block)}
+    # a cache of its own: an outline kept from an earlier check would need no transformers at all
+    env = {**os.environ, "ORCHESTRATE_HOME": str(home), "PYTHONPATH": str(block), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     out = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(spec)], capture_output=True, text=True,
                          env=env, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr  # 'nope' is left to the compute nodes
@@ -261,3 +262,29 @@ def test_data_as_a_glob_a_list_parquet_files_or_a_saved_data_set(home, tmp_path,
     refused(out, home, spec, "2 problems", f"data.path[1]: {parts / 'bad.parquet'} row 4: a chat record needs a non-empty "
             "list 'messages'", "fix or remove that row", f"data.path[2]: '{tmp_path / 'saved'}' is a folder; give the Parquet "
             "file of records (a folder written by save_to_disk is data.kind: arrow)")
+
+
+def test_a_model_checked_before_is_checked_again_without_importing_torch(home, tmp_path, tiny_model, chat_data):
+    """The login node keeps a checked config's outline by content: the next validate or submit
+    of it imports neither torch nor transformers and finds the same problems; a damaged
+    outline is ignored and written again."""
+    import subprocess
+
+    from orchestrator.submit import outlines
+
+    spec = make_spec(tmp_path, tiny_model, chat_data, targets="[q_proj, nope]")
+    env = {**os.environ, "ORCHESTRATE_HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    probe = ("import sys; from orchestrator.cli.main import main; rc = main(['validate', sys.argv[1]]); "
+             "print('imported', 'torch' in sys.modules, 'transformers' in sys.modules); sys.exit(rc)")
+
+    def validate():
+        out = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+        assert out.returncode == 2 and "target_modules[1]: 'nope' is not a module of this model (LlamaForCausalLM)" in out.stderr
+        return out.stdout.strip().splitlines()[-1]
+
+    assert validate() == "imported True True"
+    [kept] = (tmp_path / "xdg" / "orchestrate" / "outlines").iterdir()
+    assert validate() == "imported False False"  # the same problem, found from the outline alone
+    kept.write_text('{"key": "' + kept.stem + '", "shape": {}, "modules": [["a", "b", "weird"]]}')
+    assert validate() == "imported True True"  # a damaged outline is not read
+    assert outlines.read(kept.stem) is not None  # and was written again

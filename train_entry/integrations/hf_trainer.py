@@ -44,6 +44,7 @@ from transformers import Trainer, TrainerCallback
 from orchestrator import contract
 from orchestrator.contract import envvars
 
+from train_entry import faults
 from train_entry.integrations import common
 
 STATE_FORMAT = "hf-trainer"  # a Trainer checkpoint-N folder as it is, plus the manifest
@@ -145,6 +146,7 @@ class OrchestrateCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.active:
             return
+        faults.slow_step()  # tests: a step's wall time that no machine makes shorter
         run = self.run
         now = time.time()
         run.set_step_time(now - self._step_started)
