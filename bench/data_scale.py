@@ -356,6 +356,8 @@ def render(res: dict) -> str:
                       f"({x['restart_s'] / x['cold_start_s']:.2f}x the cold start; the data's share {_s(x['restart_data_s'])}, "
                       f"start-up {_s(x['restart_startup_s'])}, checkpoint load {_s(x['restart_load_s'])}, resumed from "
                       f"step {x['resumed_step']})."]
+    if not any("rank0" in r for r in res["sizes"].values()):
+        return "\n".join(lines)
     lines += ["", "A rank's data start is after the tokenizer is loaded: the key (input digest remembered), the entry found "
               "and checked (rank 0 reads it whole against its digest only if the file changed since it was written), the 1 % "
               "held-out split, packing, one batch. RSS: the peak above the process's own after its imports, after 50 more "

@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale]
+    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -40,6 +40,7 @@ BENCHES = {
                    ["--steps", "4", "--warmup", "2", "--repeats", "1"]),
     "data_scale": ("Data at scale: prepared once, memory-mapped", ["--sizes", "10000,100000,1000000", "--e2e"],
                    ["--sizes", "2000,10000", "--before-max", "2000", "--peer-max", "2000"]),
+    "data_restart": ("Restart at scale: a killed rank against its cold start", ["--size", "1000000"], ["--size", "2000"]),
     "model_load": ("Loading a model: host memory per rank", ["--layers", "32"], ["--layers", "4"]),
 }
 

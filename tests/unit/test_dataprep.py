@@ -160,8 +160,10 @@ def test_the_held_out_split_is_a_fixed_disjoint_choice_of_the_checked_size():
 
 def test_several_processes_prepare_the_same_examples_as_one(tmp_path, tok):
     data = tiny.make_chat_data(tmp_path / "a.jsonl", n=60)
+    environ = os.environ
     one = _prepare(tok, data, tmp_path / "one", num_proc=1)
     two = _prepare(tok, data, tmp_path / "two", num_proc=2)
+    assert os.environ is environ  # datasets' pool leaves a copy in its place; the process's own is put back
     assert one.entry.name == two.entry.name  # the key is the content's, not how it was prepared
     for i in range(len(one)):
         assert all(np.array_equal(a, b) for a, b in zip(one.tokens(i, 10**6), two.tokens(i, 10**6)))

@@ -131,6 +131,7 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
     counts_dir.mkdir()
     watch = _Watch(counts_dir, n, progress)
     old = os.environ.get("TOKENIZERS_PARALLELISM")
+    environ = os.environ  # datasets' map with num_proc leaves a deepcopy of it in its place: put back below
     if procs > 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes already: no N x cores threads, no fork warning
     try:
@@ -145,6 +146,9 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
                                         "error": datasets.Value("string")}),
             cache_file_name=str(scratch / "encoded.arrow"), new_fingerprint=f"{data.key}-encoded", desc=None)
     finally:
+        # the process's own mapping again: what captured os.environ (rich's consoles, say) would
+        # otherwise never see a variable set from here on
+        os.environ = environ
         watch.stop()
         if procs > 1:
             if old is None:
