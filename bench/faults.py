@@ -334,7 +334,7 @@ def render(res: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(_f([r[p] for r in rows]) for p in PARTS) +
                          f" | {_f([r['cold_start'] for r in rows])} | {ratio:.2f}× | {_f([r['lost_steps'] for r in rows], '{:.0f}')} |")
         lines += ["", "In place, detection is the node agent seeing its rank die; scheduling is stopping the other ranks, the "
-                  "restart backoff (1 s) and handing the warm standby ranks their order (or spawning). Requeue: detection is the watcher's ledger recording the failure (1 s cycle); "
+                  "restart backoff (1 s in these figures; since 2026-11-29 a launch's first restart has none) and handing the warm standby ranks their order (or spawning). Requeue: detection is the watcher's ledger recording the failure (1 s cycle); "
                   "scheduling is SLURM's requeue, the backoff (`retry.backoff_s: 2`) and the new allocation. Start-up runs from the "
                   "process (in place) or job (requeue) start to the checkpoint load; steps lost are those since the last committed "
                   f"checkpoint (every {res['every']} steps).", ""]

@@ -73,3 +73,10 @@ def test_the_watcher_dies_only_at_the_named_point(tmp_path):
     env[envvars.FAULT_INJECT] = ""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0 and "past" in done.stdout
+
+
+def test_the_first_restart_in_place_goes_at_once_and_a_failing_launch_backs_off():
+    from train_entry.agent.node import RESTART_BACKOFF_MAX_S, restart_delay_s
+
+    assert [restart_delay_s(g) for g in range(5)] == [0.0, 1.0, 2.0, 4.0, 8.0]
+    assert restart_delay_s(100) == RESTART_BACKOFF_MAX_S

@@ -103,9 +103,15 @@ def _run_generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldi
         result = Generation(cfg, ctx, tdir, ldir, launch, generation, addr, port, flags, standbys).run()
         if result is not None:
             return generation, result
-        # restarted in place: every node stopped its ranks
-        time.sleep(min(RESTART_BACKOFF_MAX_S, 2.0**generation))
+        # restarted in place: every node stopped its ranks. The first restart goes at once (a
+        # fault should cost seconds); a rank that keeps failing waits 1, 2, 4 ... s between
+        time.sleep(restart_delay_s(generation))
         generation += 1
+
+
+def restart_delay_s(generation: int) -> float:
+    """The wait before the restart that follows generation ``generation`` (from 0)."""
+    return 0.0 if generation == 0 else min(RESTART_BACKOFF_MAX_S, 2.0 ** (generation - 1))
 
 
 def submitit_entry(task_dir: str) -> int:
