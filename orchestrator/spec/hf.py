@@ -10,9 +10,9 @@ spec's folder and checked on the login node before anything is queued
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from orchestrator.spec.strict import MAX_STEPS, Strict
 
@@ -104,11 +104,22 @@ class HFModel(Strict):
         return self.qlora or self.lora
 
 
-MAX_INPUTS = 100_000
-Paths = Union[
-    Annotated[str, Field(min_length=1)],
-    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_INPUTS)],
-]
+MAX_INPUTS = 1000  # files per data set: each is a line of the prepared entry's manifest (1 MiB at most)
+
+
+def _paths(value: Any) -> Any:
+    """One error for any bad `path` (an untagged union would give one per member, named by type)."""
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    if items is None or not all(isinstance(v, str) for v in items):
+        raise ValueError("give a path, a glob pattern, or a list of them")
+    if not items or not all(items):
+        raise ValueError("an empty path")
+    if len(items) > MAX_INPUTS:
+        raise ValueError(f"{len(items):,} paths; at most {MAX_INPUTS:,} (merge the files)")
+    return value
+
+
+Paths = Annotated[Union[str, list[str]], BeforeValidator(_paths)]
 PATHS_HELP = ("; a list of them, or a glob pattern (`data/train-*.parquet`), read in order (a pattern's matches sorted); "
               "relative to the spec's folder, readable from the compute nodes.")
 

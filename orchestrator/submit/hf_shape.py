@@ -135,7 +135,13 @@ def outline_of(model):
 def shape_of_outline(outline) -> HFShape:
     """The shape an outline holds; TypeError, ValueError or KeyError when it holds another thing."""
     d = dict(outline.shape)
-    return HFShape(**{**d, "linear": {str(n): (int(i), int(o)) for n, i, o in d["linear"]}})
+    shape = HFShape(**{**d, "linear": {str(n): (int(i), int(o)) for n, i, o in d["linear"]}})
+    counts = (shape.params, shape.largest_layer, shape.unit, shape.quantizable)
+    optional = (shape.layers, shape.d_model, shape.n_head, shape.vocab, shape.max_positions)
+    if not isinstance(shape.model_class, str) or not all(type(v) is int for v in counts) \
+            or not all(v is None or type(v) is int for v in optional):
+        raise TypeError("not the counts of a model")
+    return shape
 
 
 def target_problems(outline, targets: list[str]) -> list[tuple[int, str]]:

@@ -175,19 +175,19 @@ class _Checker:
 
     def _count(self, d, key: str, problems: list) -> int | None:
         """Valid records of data.path or data.eval_path (all its inputs), or None after adding
-        each input's problem (the field names the list item where the spec gave a list)."""
+        each input's problem."""
         value = getattr(d, key)
         paths = [value] if isinstance(value, str) else list(value)
         known = prepared_count(paths, d.format, d.kind, d.cache_dir) if d.cache_dir else None
         if known is not None:
             return known
         total: int | None = 0
-        for i, path in enumerate(paths):
+        for path in paths:
             if (path, d.format, d.kind) not in self._records:
                 self._records[(path, d.format, d.kind)] = count_records(path, d.format, d.kind)
             n, problem = self._records[(path, d.format, d.kind)]
-            if problem:
-                problems.append((("data", key) if isinstance(value, str) else ("data", key, i), problem))
+            if problem:  # the field, not a list item: a glob's matches are not items of the spec (the message names the file)
+                problems.append((("data", key), problem))
                 total = None
             elif total is not None:
                 total += n

@@ -216,6 +216,8 @@ def test_bad_rows_and_unreadable_tables_are_named_at_preparation_and_nothing_out
     datasets.Dataset.from_list([{"prompt": "p", "completion": "c"}]).to_parquet(str(tmp_path / "inst.parquet"))
     with pytest.raises(UserCodeError, match=r"no column 'messages' \(data.format: chat\); its columns: prompt, completion"):
         sources.count(str(tmp_path / "inst.parquet"), "parquet", "chat")
+    with pytest.raises(UserCodeError, match=r"no column 'messages'"):  # the same at preparation, not datasets' wrapper
+        ranks.find_or_prepare(ranks.Source([str(tmp_path / "inst.parquet")], "chat", "parquet"), tok, str(tmp_path / "c"), Said(), print)
     (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(UserCodeError, match="cannot read as parquet"):
         sources.count(str(tmp_path / "junk.parquet"), "parquet", "chat")
@@ -232,6 +234,12 @@ def test_bad_rows_and_unreadable_tables_are_named_at_preparation_and_nothing_out
         (hostile / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}]}))
         with pytest.raises(UserCodeError, match=r"_data_files\[0\] is not the plain name of an .arrow file"):
             sources.count(str(hostile), "arrow", "chat")
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"_data_files": [{"filename": outside.name}]}))
+    link_state = tmp_path / "link-state"
+    link_state.mkdir()
+    (link_state / "state.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(UserCodeError, match=r"state.json: .*not a folder written by save_to_disk"):
+        sources.count(str(link_state), "arrow", "chat")  # a state.json that is a link is not followed
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "data.arrow").symlink_to(outside)

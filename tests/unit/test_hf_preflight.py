@@ -259,9 +259,12 @@ def test_data_as_a_glob_a_list_parquet_files_or_a_saved_data_set(home, tmp_path,
         make_plan(str(data("data: {kind: parquet, path: parts/nope-*.parquet}")), [], "local", home)
     datasets.Dataset.from_list(rows[:3] + [{"messages": []}]).to_parquet(str(parts / "bad.parquet"))
     out = cli("validate", str(data("data: {kind: parquet, path: [parts/train-1.parquet, parts/bad.parquet, saved]}")), home=home)
-    refused(out, home, spec, "2 problems", f"data.path[1]: {parts / 'bad.parquet'} row 4: a chat record needs a non-empty "
-            "list 'messages'", "fix or remove that row", f"data.path[2]: '{tmp_path / 'saved'}' is a folder; give the Parquet "
+    refused(out, home, spec, "2 problems", f"data.path: {parts / 'bad.parquet'} row 4: a chat record needs a non-empty "
+            "list 'messages'", "fix or remove that row", f"data.path: '{tmp_path / 'saved'}' is a folder; give the Parquet "
             "file of records (a folder written by save_to_disk is data.kind: arrow)")
+    for bad, why in (("5", "give a path, a glob pattern, or a list of them"), ("[a.parquet, 3]", "give a path"), ("''", "an empty path")):
+        out = cli("validate", str(data("data: {kind: parquet, path: " + bad + "}")), home=home)
+        assert out.returncode == 2 and out.stderr.count("data.path") == 1 and why in out.stderr, out.stderr  # one issue, the field named
 
 
 def test_a_model_checked_before_is_checked_again_without_importing_torch(home, tmp_path, tiny_model, chat_data):

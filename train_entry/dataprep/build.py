@@ -92,7 +92,7 @@ def prepare(data: Inputs, tokenizer, cache_root: str | os.PathLike, progress: Pr
         shutil.rmtree(scratch, ignore_errors=True)
         st = (out / EXAMPLES).stat()
         manifest = {"created": time.time(), "took_s": round(time.time() - started, 3), "counts": counts,
-                    "inputs": [{"path": p[:4096], "digest": d} for p, d in zip(data.paths, data.parts["inputs"])],
+                    "inputs": [{"path": p[:256], "digest": d} for p, d in zip(data.paths, data.parts["inputs"])],
                     "format_of_records": data.fmt, "kind_of_inputs": data.kind, "key_parts": data.parts,
                     "files": {EXAMPLES: {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": sources.file_digest(out / EXAMPLES)}}}
         entry = datacache.commit_entry(out, root, data.key, manifest)
@@ -118,11 +118,7 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
 
     datasets.disable_progress_bars()  # progress goes to the heartbeat, events and the command's bar
     datasets.utils.logging.set_verbosity_error()
-    raw = datasets.Dataset.from_generator(
-        sources.raw_lines, gen_kwargs={"paths": data.paths, "kind": data.kind, "fmt": data.fmt}, cache_dir=str(scratch / "raw"),
-        features=datasets.Features({"file": datasets.Value("int32"), "line": datasets.Value("int64"),
-                                    "text": datasets.Value("string"), "error": datasets.Value("string")}),
-        fingerprint=f"{data.key}-raw", keep_in_memory=False)
+    raw = _records(datasets, data, scratch)
     n = len(raw)
     if n == 0:
         raise UserCodeError(f"{data.paths[0]}: no records")
@@ -169,6 +165,20 @@ def _build(data: Inputs, tokenizer, scratch: Path, target: Path, progress: Progr
     return {"records": n, "tokens": int(pc.sum(lengths).as_py() or 0), "longest": int(pc.max(lengths).as_py() or 0),
             "without_target": int(pc.sum(pc.equal(table.column("first_target"), -1)).as_py() or 0),
             "processes": procs}
+
+
+def _records(datasets, data: Inputs, scratch: Path):
+    """The inputs' records as raw text, an Arrow table on disk (``sources.raw_lines``)."""
+    try:
+        return datasets.Dataset.from_generator(
+            sources.raw_lines, gen_kwargs={"paths": data.paths, "kind": data.kind, "fmt": data.fmt}, cache_dir=str(scratch / "raw"),
+            features=datasets.Features({"file": datasets.Value("int32"), "line": datasets.Value("int64"),
+                                        "text": datasets.Value("string"), "error": datasets.Value("string")}),
+            fingerprint=f"{data.key}-raw", keep_in_memory=False)
+    except datasets.exceptions.DatasetGenerationError as exc:  # what the reader said, not datasets' wrapper
+        if isinstance(exc.__cause__, UserCodeError):
+            raise exc.__cause__ from None
+        raise
 
 
 def _encode_counted(tokenizer, fmt: str, where_of, counts_dir: str, batch: dict) -> dict:

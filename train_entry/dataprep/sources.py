@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from orchestrator.contract import chatdata, datacache
+from orchestrator.contract import chatdata, datacache, safe_read
 
 from train_entry.errors import UserCodeError
 
@@ -118,15 +118,15 @@ def data_files(path: str | os.PathLike, kind: str) -> list[Path]:
 
 
 def _state(folder: Path) -> dict:
+    """state.json, a regular file of the folder itself (a link or a FIFO is refused, never followed or waited on)."""
     path = folder / "state.json"
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(STATE_MAX + 1)
-    except OSError as exc:
-        raise UserCodeError(f"{path}: cannot read ({exc.strerror or exc}): not a folder written by save_to_disk") from None
+        raw = safe_read.read_capped(path, STATE_MAX)
+    except safe_read.BadRecord as exc:
+        raise UserCodeError(f"{path}: {exc}: not a folder written by save_to_disk") from None
+    if raw is None:
+        raise UserCodeError(f"{path}: no such file: not a folder written by save_to_disk")
     try:
-        if len(raw) > STATE_MAX:
-            raise ValueError(f"more than {STATE_MAX:,} bytes")
         return json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise UserCodeError(f"{path}: not a save_to_disk state ({exc})") from None
