@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from orchestrator import contract
+from orchestrator.contract import safe_read
 
 VERSION = 1
 MAX_BYTES = 16 << 20
@@ -53,15 +54,13 @@ def key(path: str | os.PathLike, gguf_file: str | None, attn_implementation: str
 
 
 def read(k: str) -> Outline | None:
-    path = cache_dir() / f"{k}.json"
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_BYTES + 1)
-        doc = json.loads(raw) if len(raw) <= MAX_BYTES else None
+        raw = safe_read.read_capped(cache_dir() / f"{k}.json", MAX_BYTES)
+        doc = safe_read.parse_json(raw) if raw is not None else None
         shape, modules = doc["shape"], doc["modules"]
         ok = doc.get("key") == k and isinstance(shape, dict) and isinstance(modules, list) and all(
             isinstance(m, list) and len(m) == 3 and all(isinstance(x, str) for x in m) and m[2] in KINDS for m in modules)
-    except (OSError, ValueError, TypeError, KeyError):
+    except (safe_read.BadRecord, TypeError, KeyError):
         return None
     return Outline(shape, tuple(tuple(m) for m in modules)) if ok else None
 

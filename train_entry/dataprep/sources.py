@@ -122,14 +122,11 @@ def _state(folder: Path) -> dict:
     path = folder / "state.json"
     try:
         raw = safe_read.read_capped(path, STATE_MAX)
+        if raw is not None:
+            return safe_read.parse_json(raw)
     except safe_read.BadRecord as exc:
         raise UserCodeError(f"{path}: {exc}: not a folder written by save_to_disk") from None
-    if raw is None:
-        raise UserCodeError(f"{path}: no such file: not a folder written by save_to_disk")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise UserCodeError(f"{path}: not a save_to_disk state ({exc})") from None
+    raise UserCodeError(f"{path}: no such file: not a folder written by save_to_disk")
 
 
 def raw_lines(paths: list[str], kind: str = "jsonl", fmt: str = "chat") -> Iterator[dict]:
