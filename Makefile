@@ -34,17 +34,16 @@ smoke: install
 docs:
 	$(PYTHON) -m mkdocs build --strict --site-dir site
 
-# The tiers (tests/README.md): the unit tests on both cores at once (pytest-xdist), then the
-# multi-process and SLURM tiers as two streams side by side: the SLURM tests one at a time on
-# one worker (one cluster), the multi-process files one at a time on the other (tests/conftest.py
-# groups them). Each run prints its slowest tests at the end.
+# The tiers (tests/README.md): the multi-process and SLURM tiers as two streams side by side
+# (-n 2 --dist loadgroup: the SLURM tests one at a time on one worker, one cluster; the
+# multi-process files one at a time on the other, tests/conftest.py groups them), and the unit
+# tier beside them at a lower priority, in the cycles they leave idle (scripts/test-suite).
+# Each run prints its slowest tests at the end.
 FAST := -m "not multiproc and not slurm"
-HEAVY := -m "multiproc or slurm" -n 2 --dist loadgroup
 
 test: install
 	scripts/slurm-local up
-	$(PYTHON) -m pytest -n 2 $(FAST)
-	$(PYTHON) -m pytest $(HEAVY)
+	PYTHON=$(PYTHON) scripts/test-suite
 
 test-fast:
 	$(PYTHON) -m pytest -n 2 $(FAST)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -148,15 +149,28 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_though_the_copy_is_slo
     from train_entry.checkpoint.checkpointer import Checkpointer
     from train_entry.engines import build_engine
 
-    slow = DefaultStager.stage
+    # the copy is held until half a second after the step began waiting for it: what the
+    # step waited is then known however busy the machine (a plain sleep in the copy would
+    # race the main thread's way to the step)
+    release = threading.Event()
+    stage = DefaultStager.stage
 
-    def stage_slowly(self, state_dict):
-        time.sleep(0.6)
-        return slow(self, state_dict)
+    def stage_when_released(self, state_dict):
+        assert release.wait(60), "the step never waited for the copy"
+        return stage(self, state_dict)
 
-    monkeypatch.setattr(DefaultStager, "stage", stage_slowly)
+    monkeypatch.setattr(DefaultStager, "stage", stage_when_released)
     cfg = _cfg(tmp_path, asynchronous=True)
     engine = _engine(cfg)
+    wait_staged = engine.wait_staged
+
+    def wait_staged_then_release():
+        pending = engine.snapshot()
+        if pending is not None and not pending.done():  # not the save's own call, before its copy
+            threading.Timer(0.5, release.set).start()
+        wait_staged()
+
+    monkeypatch.setattr(engine, "wait_staged", wait_staged_then_release)
     saved = {k: v.clone() for k, v in engine.model.module.state_dict().items()}
     ck = Checkpointer(cfg, 0, 1, engine)
     assert ck.save(1, {})["async"]

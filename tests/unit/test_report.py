@@ -263,9 +263,9 @@ def test_hostile_numbers_in_records_neither_loop_nor_skew_the_figures():
     rec = records()
     rec.metrics.append(metric(60, 170.0, "7.0", 2 ** 62))  # a generation no agent recorded
     rec.metrics[3]["eval_s"] = 1e9  # more evaluation than time
-    t0 = time.monotonic()
+    t0 = time.process_time()  # this process's CPU: no loop over 2**62 steps
     g = goodput.task_goodput(ATTEMPTS, rec, now=1000.0)
-    assert time.monotonic() - t0 < 1.0 and rec.bad == 1
+    assert time.process_time() - t0 < 1.0 and rec.bad == 1
     assert all(v >= 0 for k, v in g.seconds.items() if k != "unattributed")
     assert g.seconds["unattributed"] == pytest.approx(0.0, abs=1e-6) and 0 <= g.goodput <= 1
     from orchestrator.report.records import EVENT_LINE

@@ -19,13 +19,14 @@ GOOD = "name: x\nsteps: 10\n"
 
 
 def issues_of(tmp_path, text, overrides=()):
-    """The issues of a spec text; the loader must refuse it within a second."""
+    """The issues of a spec text; the loader must refuse it with a bounded amount of work
+    (this process's CPU seconds: a busy machine's wall clock would measure the machine)."""
     path = write(tmp_path / "s.yaml", text)
-    start = time.monotonic()
+    start = time.process_time()
     with pytest.raises(SpecError) as exc:
         spec, raw, lines = load_spec(path, list(overrides))
         expand(spec, raw, lines, str(path))
-    assert time.monotonic() - start < 5, "bounded input must be refused quickly"
+    assert time.process_time() - start < 5, "bounded input must be refused quickly"
     return exc.value.issues
 
 
@@ -379,9 +380,9 @@ def test_tuning_keys_pass_and_reach_the_config(tmp_path):
 def test_a_huge_sweep_is_refused_before_it_is_expanded(tmp_path):
     grid = ", ".join(str(i) for i in range(100))
     text = GOOD + f"sweep:\n  grid:\n    seed: [{grid}]\n    schedule.warmup_steps: [{grid}]\n    logging.every_steps: [{grid[3:]}]\n"
-    start = time.monotonic()
+    start = time.process_time()
     issue = one_issue(tmp_path, text)
-    assert time.monotonic() - start < 2
+    assert time.process_time() - start < 2
     assert issue.path == "sweep" and issue.line == 3 and "tasks (100 x 100 x 99)" in issue.message
     assert "at most 10000" in issue.message and "split the sweep over several specs" in issue.message
 
