@@ -34,9 +34,10 @@ smoke: install
 docs:
 	$(PYTHON) -m mkdocs build --strict --site-dir site
 
-# The tiers (tests/README.md), as three pytest runs side by side (scripts/test-suite): the
-# SLURM tests one at a time (one cluster), the multi-process files on two workers at nice 5,
-# the unit tier on two workers at nice 10, each in the cycles the ones before it leave.
+# The tiers (tests/README.md): the multi-process and SLURM tiers as two streams side by side
+# (-n 2 --dist loadgroup: the SLURM tests one at a time on one worker, one cluster; the
+# multi-process files one at a time on the other, tests/conftest.py groups them), and the unit
+# tier beside them at a lower priority, in the cycles they leave idle (scripts/test-suite).
 # Each run prints its slowest tests at the end.
 FAST := -m "not multiproc and not slurm"
 
