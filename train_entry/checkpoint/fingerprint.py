@@ -231,4 +231,4 @@ def check_resume(folder: str | Path, model: nn.Module) -> None:
         return
     problem = compare(expected, compute(model))
     if problem is not None:
-        raise ResumeMismatch(f"resumed from {folder}: {problem}; not training on from a state that is not the one saved")
+        raise ResumeMismatch(f"the state resumed is not the one saved: {problem}; not training on from it ({folder})")

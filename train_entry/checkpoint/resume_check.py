@@ -186,8 +186,9 @@ def _check_probe(folder: Path, probe, engine, dataset, loss_fn, cfg: contract.Ta
 
 def _conclude(folder: Path, step: int, checked: list, problems: list, fields: dict, hb) -> None:
     if problems:
-        cause = (f"resumed from step {step} ({folder}): " + "; ".join(problems)
-                 + "; stopped instead of training on from a state that is not the one saved")
+        # what is wrong first, the folder last: `status` shows a reason cut to its column
+        cause = (f"the state resumed from step {step} is not the one saved: " + "; ".join(problems)
+                 + f"; stopped instead of training on from it ({folder})")
         hb.event("checkpoint.mismatch", cause, **fields)
         raise ResumeMismatch(cause)
     if "fingerprint_rel_diff" in fields or "loss_rel_diff" in fields:  # an older checkpoint proves nothing: no event
