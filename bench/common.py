@@ -67,6 +67,15 @@ def python() -> str:
     return sys.executable
 
 
+def smollm2() -> Path:
+    """The converted SmolLM2-135M-Instruct folder, converted first if this machine has none
+    (scripts/smollm2-to-hf: about half a minute, once)."""
+    out = subprocess.run([python(), str(REPO / "scripts" / "smollm2-to-hf")], stdout=subprocess.PIPE, text=True, timeout=900)
+    if out.returncode:
+        raise SystemExit(f"scripts/smollm2-to-hf failed ({out.returncode}): see its message above")
+    return Path(out.stdout.split()[-1])
+
+
 def compile_package() -> None:
     """Byte-compile the package as an install does (pip writes the .pyc files), so that CLI
     timings never include compiling a module edited since the last run."""

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, python  # noqa: E402
+from bench.common import REPO, python, smollm2  # noqa: E402
 
 MODEL = Path("~/.cache/orchestrate/models/SmolLM2-135M-Instruct").expanduser()
 DATA_DIR = Path("~/.cache/orchestrate/bench-data").expanduser()
@@ -287,6 +287,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
+    smollm2()  # the model the fine-tunes and the tokenizer come from, converted once
     procs = len(os.sched_getaffinity(0))
     results = {"procs": procs, "sizes": {}}
     if args.restart:  # the restart figure alone, on a cache prepared first (kept with --cache: prepared once)
@@ -356,6 +357,10 @@ def render(res: dict) -> str:
                       f"({x['restart_s'] / x['cold_start_s']:.2f}x the cold start; the data's share {_s(x['restart_data_s'])}, "
                       f"start-up {_s(x['restart_startup_s'])}, checkpoint load {_s(x['restart_load_s'])}, resumed from "
                       f"step {x['resumed_step']})."]
+            if "prepare" in r and "rank0" not in r:  # --restart alone: its own preparation, the table has none
+                p = r["prepare"]
+                lines.append(f"The records were prepared first, once: {p['s']:.0f} s, {p['records'] / p['s']:,.0f} records/s, "
+                             f"{p['tokens']:,} tokens.")
     if not any("rank0" in r for r in res["sizes"].values()):
         return "\n".join(lines)
     lines += ["", "A rank's data start is after the tokenizer is loaded: the key (input digest remembered), the entry found "
