@@ -30,20 +30,85 @@ def home(tmp_path, monkeypatch) -> Path:
     return h
 
 
-def cli(*args: str, home: Path, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `orchestrate` as a user would, in a fresh process."""
-    # no COLUMNS/LINES: pytest-xdist's workers set them (80x24), and a table's width must be a pipe's here
-    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}, "ORCHESTRATE_HOME": str(home),
-           "PYTHONPATH": str(REPO / "tests" / "workloads")}
+# Commands run in the test's process (main() as a fresh process runs it, see _as_a_command):
+# a Python start and the command's imports (torch for `ckpt`) cost 0.7-2.3 s of a core a call,
+# about 120 calls in the multi-process and SLURM tiers. The others keep a process of their own:
+# `watch` is a loop with signal handlers, `data` forks a pool of workers, `report` opens a browser.
+IN_PROCESS = frozenset({"validate", "schema", "plan", "submit", "status", "logs", "events", "cancel", "ckpt"})
+
+
+def cli(*args: str, home: Path, timeout: float = 300, cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run `orchestrate` as a user would: its exit code, stdout and stderr. ``fresh`` (or a
+    command outside IN_PROCESS) runs it in a new process, with ``timeout``."""
+    if not fresh and args and args[0] in IN_PROCESS:
+        return _in_process(list(args), home, cwd or REPO)
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=_cli_env(home),
         cwd=cwd or REPO,
         stdin=subprocess.DEVNULL,
     )
+
+
+def _cli_env(home: Path) -> dict[str, str]:
+    # no COLUMNS/LINES: pytest-xdist's workers set them (80x24), and a table's width must be a pipe's here
+    return {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}, "ORCHESTRATE_HOME": str(home),
+            "PYTHONPATH": str(REPO / "tests" / "workloads")}
+
+
+def _in_process(argv: list[str], home: Path, cwd: Path) -> subprocess.CompletedProcess:
+    from orchestrator.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with _as_a_command(home, cwd, err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's usage errors, and any command that exits
+            rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+    return subprocess.CompletedProcess([sys.executable, "-m", "orchestrator", *argv], rc, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _as_a_command(home: Path, cwd: Path, err: io.StringIO):
+    """What a fresh process of the command would have: the environment cli() gives one (which
+    the processes it starts inherit), its working folder, no stdin, the root logger of its
+    main() and Python's default warning filters, both printing to its stderr (pytest's capture
+    would otherwise swallow its warnings)."""
+    import logging
+    import warnings
+
+    env, here, stdin = dict(os.environ), os.getcwd(), sys.stdin
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    command_env = _cli_env(home)
+    os.environ.clear()
+    os.environ.update(command_env)
+    root.handlers, sys.stdin = [handler], open(os.devnull)
+    root.setLevel(logging.WARNING)
+    os.chdir(cwd)
+    try:
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)  # a fresh interpreter's defaults
+            warnings.showwarning = lambda msg, cat, filename, lineno, file=None, line=None: err.write(
+                warnings.formatwarning(msg, cat, filename, lineno, line))
+            yield
+    finally:
+        os.chdir(here)
+        sys.stdin.close()
+        sys.stdin = stdin
+        root.handlers = handlers
+        root.setLevel(level)
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def status_json(home: Path, *ref: str) -> dict:
