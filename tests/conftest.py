@@ -39,8 +39,9 @@ IN_PROCESS = frozenset({"validate", "schema", "plan", "submit", "status", "logs"
 
 def cli(*args: str, home: Path, timeout: float = 300, cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run `orchestrate` as a user would: its exit code, stdout and stderr. ``fresh`` (or a
-    command outside IN_PROCESS) runs it in a new process, with ``timeout``."""
-    if not fresh and args and args[0] in IN_PROCESS:
+    command outside IN_PROCESS, or a login-side fault injected: it ends the process) runs it
+    in a new process, with ``timeout``."""
+    if not fresh and args and args[0] in IN_PROCESS and not os.environ.get("ORCHESTRATE_FAULT_INJECT"):
         return _in_process(list(args), home, cwd or REPO)
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args],

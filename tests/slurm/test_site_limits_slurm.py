@@ -56,7 +56,7 @@ def test_a_sweep_over_the_site_limits_goes_out_as_room_frees_with_one_max_parall
     # submit --watch: this process is the watcher. It is killed right after it queued the first
     # waiting array, before recording it; a watcher started afterwards finds that array by name
     monkeypatch.setenv(envvars.FAULT_INJECT, "after-queue-submit")
-    first = cli("submit", str(spec), "--executor", "slurm", "--watch", "--interval", "1", home=home, timeout=600)
+    first = cli("submit", str(spec), "--executor", "slurm", "--watch", "--interval", "1", home=home, timeout=600, fresh=True)
     monkeypatch.delenv(envvars.FAULT_INJECT)
     assert first.returncode == 70, first.stderr
     [exp] = status_json(home)["experiments"]
