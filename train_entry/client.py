@@ -82,7 +82,7 @@ class Run:
     def set_step_time(self, seconds: float) -> None:
         """The last step's duration, written with the next heartbeat (hang detection learns
         its timeout from the slowest step)."""
-        self._hb.step_time_s = seconds
+        self._hb.stepped(seconds)  # not steady: a script may be silent through its own evaluations
 
     def metric(self, step: int, loss: float | None, lr: float | None = None, throughput: float | None = None,
                eval_loss: float | None = None) -> None:

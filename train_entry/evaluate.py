@@ -14,6 +14,7 @@ import math
 import torch
 from torch import distributed as dist
 
+from train_entry import faults
 from train_entry.data import to_device
 from train_entry.engines.base import autocast, forward
 
@@ -33,7 +34,9 @@ def plan(n: int, micro_batch: int, world: int, rank: int, max_batches: int | Non
     return out
 
 
-def evaluate(engine, dataset, loss_sum, micro_batch: int, world: int, rank: int, max_batches: int | None) -> float:
+def evaluate(engine, dataset, loss_sum, micro_batch: int, world: int, rank: int, max_batches: int | None,
+             on_batch=None) -> float:
+    """The held-out loss (collective). ``on_batch``: called after each batch (the heartbeat)."""
     model = engine.model
     total = torch.zeros(2, dtype=torch.float64)  # loss sum, target tokens
     model.eval()
@@ -48,6 +51,9 @@ def evaluate(engine, dataset, loss_sum, micro_batch: int, world: int, rank: int,
                 with autocast(engine.device, getattr(engine, "precision", "fp32")):
                     s, c = loss_sum(forward(model, inputs), labels)
                 total += torch.stack([s.detach().double().cpu(), c.detach().double().cpu()])
+                faults.slow_eval()  # tests: an evaluation longer than a steady step's hang timeout
+                if on_batch is not None:
+                    on_batch()
     finally:
         model.train()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)

@@ -8,7 +8,9 @@ named hook at its point. Unset (always, outside tests), each hook does nothing.
 - ``slow_save``: ``FAULT_SLOW_SAVE_S=S``, every save takes S seconds more, writing all
   along (a slow filesystem).
 - ``slow_step``: ``FAULT_SLOW_STEP_S=S``, every step of the built-in loop takes S seconds
-  more, asleep: a run whose length in wall time does not depend on the machine's speed.
+  more, asleep: a run whose length in wall time does not depend on the machine's speed;
+  ``FAULT_SLOW_STEPS=S:A:B``, steps A to B take S seconds more instead (a slow node for a while).
+- ``slow_eval``: ``FAULT_SLOW_EVAL_S=S``, every evaluation batch takes S seconds more.
 - ``reinit_after_load``: ``FAULT_REINIT=PREFIX``, after a resume's load the trainable
   parameters whose names start with PREFIX are re-initialised, as a loader that silently
   re-creates a layer would.
@@ -54,8 +56,18 @@ def slow_save(folder: Path, rank: int) -> None:
     filler.unlink()
 
 
-def slow_step() -> None:
+def slow_step(step: int) -> None:
+    """``step``: the one being taken (1 for the first)."""
     seconds = float(os.environ.get(envvars.FAULT_SLOW_STEP_S) or 0)
+    window = (os.environ.get(envvars.FAULT_SLOW_STEPS) or "").split(":")
+    if len(window) == 3 and int(window[1]) <= step <= int(window[2]):
+        seconds = float(window[0])
+    if seconds:
+        time.sleep(seconds)
+
+
+def slow_eval() -> None:
+    seconds = float(os.environ.get(envvars.FAULT_SLOW_EVAL_S) or 0)
     if seconds:
         time.sleep(seconds)
 

@@ -17,6 +17,9 @@ from orchestrator import contract
 from train_entry.env import RankContext
 
 
+WARMUP_STEPS = 3  # a process's first steps allocate, compile and fill caches: never what steady steps take
+
+
 class Heartbeat:
     def __init__(self, task_dir: str | Path, ctx: RankContext, interval_s: float, clock=time.time):
         self.task_dir = task_dir
@@ -29,7 +32,18 @@ class Heartbeat:
         self.step_time_s: float | None = None
         self.step = 0
         self.phase: str | None = None
+        self.steps_here = 0  # steps this process took (a restarted generation starts again from 0)
+        self.steady_s: float | None = None  # reported only by a trainer that beats through its slow phases
         self._lock = threading.Lock()  # a save's progress thread beats too (checkpoint.progress)
+
+    def stepped(self, seconds: float, steady: bool = False) -> None:
+        """A step took ``seconds``. ``steady``: this trainer beats through everything slow
+        between its steps (saves, evaluations), so that the watcher may learn a hang timeout
+        of a few steady steps from the slowest step past the warm-up."""
+        self.step_time_s = seconds
+        self.steps_here += 1
+        if steady and self.steps_here > WARMUP_STEPS:
+            self.steady_s = max(self.steady_s or 0.0, seconds)
 
     def beat(self, step: int, phase: str, force: bool = False) -> None:
         with self._lock:
@@ -55,6 +69,7 @@ class Heartbeat:
                 phase=phase,
                 step_time_s=self.step_time_s,
                 generation=self.ctx.generation,
+                steady_s=self.steady_s,
             ),
         )
 

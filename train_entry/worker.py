@@ -183,7 +183,7 @@ class Loop:
             if self.step < total:  # posted after the save, so a timed save is not asked for twice
                 self.agree.post(self.session.signal.raised, self.policy.by_time(ckpt.last_save_time, time.time()))
             self.hb.beat(self.step, contract.Phase.TRAIN)
-        self.saved(ckpt.finish_pending(), "asynchronous")
+        self.finish_pending()
         if self.policy.final_save(self.step, ckpt.committed_step):
             self.save("the final step, for consolidation", final=True)  # what the job's consolidation step writes out
         ckpt.close()
@@ -200,11 +200,11 @@ class Loop:
             inputs, targets = self.sampler.batch(self.workload.dataset, self.step, m, self.device)
             losses.append(self.engine.micro_step(inputs, targets, self.workload.loss, self.accum, last=m == self.accum - 1))
         self.engine.optimizer_step(lr)
-        faults.slow_step()  # tests: a step's wall time that no machine makes shorter
+        faults.slow_step(self.step + 1)  # tests: a step's wall time that no machine makes shorter
         self.step_losses = losses
         self.step += 1
         self.window_steps += 1
-        self.hb.step_time_s = time.perf_counter() - t0
+        self.hb.stepped(time.perf_counter() - t0, steady=True)  # saves and evaluations beat phases of their own
         return lr, losses
 
     def evaluate(self) -> float | None:
@@ -215,10 +215,10 @@ class Loop:
         from train_entry.evaluate import evaluate
 
         ctx = self.session.ctx
-        self.hb.beat(self.step, contract.Phase.TRAIN, force=True)
+        self.hb.beat(self.step, contract.Phase.EVAL, force=True)
         t0 = time.perf_counter()
         loss = evaluate(self.engine, w.eval_dataset, w.loss_sum, self.cfg.batch.micro_batch_size, ctx.world_size, ctx.rank,
-                        self.cfg.eval.max_batches)
+                        self.cfg.eval.max_batches, on_batch=lambda: self.hb.beat(self.step, contract.Phase.EVAL))
         took = time.perf_counter() - t0
         self.window_t0 += took  # evaluation is not training time
         self.eval_s += took
@@ -257,6 +257,16 @@ class Loop:
             finally:
                 self.ckpt.on_progress = None
         self.saved(info, why)
+
+    def finish_pending(self) -> None:
+        """The last asynchronous save's write waited for: a save's phase, beating as it
+        advances (a large write may take far longer than a steady step's hang timeout)."""
+        from train_entry.checkpoint.progress import SaveProgress
+
+        if self.ckpt.pending is None:
+            return
+        with SaveProgress(self.hb, self.step, contract.checkpoints_dir(self.session.task_dir), self.cfg.heartbeat.interval_s):
+            self.saved(self.ckpt.finish_pending(), "asynchronous")
 
     def saved(self, info: dict | None, why: str) -> None:
         if info and info.get("folder"):

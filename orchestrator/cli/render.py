@@ -71,6 +71,18 @@ def _params(raw: Any) -> dict:
     return params if isinstance(params, dict) else {"params": params}
 
 
+def _fault_costs(raw: Any) -> dict:
+    """kind -> count, per_fault_s, queued_per_fault_s; what is not of that shape is left out."""
+    try:
+        costs = json.loads(raw or "{}")
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    if not isinstance(costs, dict):
+        return {}
+    keys = ("count", "per_fault_s", "queued_per_fault_s")
+    return {as_text(k): {f: _number(v.get(f)) for f in keys} for k, v in list(costs.items())[:50] if isinstance(v, dict)}
+
+
 def _nodes(last: dict, task: dict) -> list[str]:
     nodes = _str(last.get("nodes")) or _str(task.get("nodes")) or ""
     return [n for n in nodes.split(",") if n]
@@ -94,6 +106,8 @@ def task_document(t: dict, mine: list[dict], now: float, preparing: dict | None 
         "throughput": _number(t.get("throughput")),
         "goodput": _number(t.get("goodput")),  # productive / allocated time, as the watcher last added it up
         "heartbeat_age_s": round(now - heartbeat_at, 1) if heartbeat_at else None,
+        "hang_timeout_s": _number(t.get("hang_timeout_s")),  # steady training's, as the watcher applies it
+        "fault_costs": _fault_costs(t.get("fault_costs")),  # by kind, added up with the goodput
         "nodes": _nodes(last, t),
         "job_id": _str(last.get("job_id")),
         "checkpoint": _str(t.get("checkpoint")),
@@ -155,7 +169,8 @@ def _state_style(state: Any) -> str:
     return _STYLE.get(state, "white") if isinstance(state, str) else "white"
 
 
-_COLUMNS = ("task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "goodput", "hb age", "nodes", "checkpoint", "reason")
+_COLUMNS = ("task", "params", "state", "att", "rst", "step", "loss", "eval", "thru/s", "goodput", "hb age/hang", "nodes", "checkpoint",
+            "reason")
 LINES_FROM = 25  # tasks from which a table is one cropped line per task, like squeue
 
 
@@ -173,11 +188,15 @@ def _row(task: dict) -> list[Text]:
         _cell(task["eval_loss"], ".4f"),
         _cell(task["throughput"], ",.0f"),
         Text("-" if _number(task["goodput"]) is None else f"{100 * task['goodput']:.0f}%"),
-        Text(_fmt(age, ".0f") + ("s" if _number(age) is not None else "")),
+        Text(_seconds(age) + ("/" + _seconds(task.get("hang_timeout_s")) if _number(task.get("hang_timeout_s")) else "")),
         _cell(",".join(task["nodes"])),
         _cell(task["checkpoint"]),
         _cell(task["reason"], limit=MESSAGE_MAX),
     ]
+
+
+def _seconds(v: Any) -> str:
+    return _fmt(v, ".0f") + ("s" if _number(v) is not None else "")
 
 
 def _lines(title: Text, rows: list[list[Text]], caption: str | None) -> Group:

@@ -28,4 +28,6 @@ FAULT_INJECT = "ORCHESTRATE_FAULT_INJECT"  # the watcher dies at a named point, 
 FAULT_SLOW_SAVE_S = "ORCHESTRATE_FAULT_SLOW_SAVE_S"  # every checkpoint write takes this long more (a slow filesystem, still writing)
 FAULT_STALL_SAVE = "ORCHESTRATE_FAULT_STALL_SAVE"  # the save of this step stalls for good on rank 1 in the first launch's first generation
 FAULT_SLOW_STEP_S = "ORCHESTRATE_FAULT_SLOW_STEP_S"  # every optimizer step of the built-in loop takes this long more (a slow node)
+FAULT_SLOW_STEPS = "ORCHESTRATE_FAULT_SLOW_STEPS"  # "S:A:B": steps A to B take S seconds more instead (a node slow for a while)
+FAULT_SLOW_EVAL_S = "ORCHESTRATE_FAULT_SLOW_EVAL_S"  # every evaluation batch takes this long more
 FAULT_REINIT = "ORCHESTRATE_FAULT_REINIT"  # after a resume's load, re-initialise the parameters whose names start with this

@@ -29,6 +29,9 @@ class Phase(TextEnum):
     # written by the node agent for a rank that reports no steps (``model.kind: command``
     # without train_entry.client): the process is alive and its output grew since the last beat
     ALIVE = "alive"
+    # evaluating the held-out set, beating between its batches: allowed the warm-up's silence,
+    # not the steady training steps' (an evaluation may be slower per beat than a step)
+    EVAL = "eval"
 
 
 AGENT = "agent"  # ``by`` of a heartbeat the node agent wrote for the rank
@@ -55,10 +58,14 @@ def heartbeat_record(
     generation: int = 0,
     pid: int | None = None,
     by: str | None = None,
+    steady_s: float | None = None,
 ) -> dict:
-    """One rank's heartbeat. ``phase``: init, train, saving, requeue, done, failed, alive.
+    """One rank's heartbeat. ``phase``: init, train, eval, saving, writing, requeue, done, failed, alive.
     The node agent writes one for a rank with ``by="agent"``, the rank's ``pid`` and no
-    ``step`` (None: the rank reports none); a rank's own beats have no ``by``."""
+    ``step`` (None: the rank reports none); a rank's own beats have no ``by``. ``steady_s``:
+    the slowest step this process took past its first few (warm-up), None until then or
+    for a trainer that does not beat through its slow phases (the watcher then keeps the
+    warm-up's longer hang timeout)."""
     record = {
         "v": CONTRACT_VERSION,
         "rank": rank,
@@ -73,6 +80,8 @@ def heartbeat_record(
         "step_time_s": step_time_s,
         "time": time.time(),
     }
+    if steady_s is not None:
+        record["steady_s"] = steady_s
     if by is not None:
         record["by"] = by
     return record
@@ -86,7 +95,7 @@ TRACEBACK_MAX = 16000
 HEARTBEAT = Schema(
     "heartbeat",
     {"rank": count, "generation": count, "node": name, "pid": count, "launch": name, "step": nullable(count), "phase": name,
-     "step_time_s": nullable(number), "time": number, "by": nullable(name)},
+     "step_time_s": nullable(number), "steady_s": nullable(number), "time": number, "by": nullable(name)},
     required=("rank", "time"),
     defaults={"generation": 0},
 )

@@ -169,8 +169,10 @@ class Heartbeat:
 
     # Seconds between heartbeats of each rank.
     interval_s: float = 10.0
-    # A training rank silent this long is hung; null: learned from step times (10 x the slowest
-    # step, at least 60 s).
+    # A training rank silent this long is hung; null: learned from step times: 5 x the slowest
+    # steady step (at least 10 s) once a process is past its first 3 steps, where its loop beats
+    # through saves and evaluations (the built-in loop does); otherwise 10 x the slowest step, at
+    # least 60 s.
     timeout_s: float | None = None
     # Allowed silence before the first step (loading, rendezvous).
     startup_timeout_s: float = 900.0

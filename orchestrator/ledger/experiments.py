@@ -101,11 +101,13 @@ class Experiments(LedgerCore):
                 sets = ", ".join(f'"{c}" = ?' for c in cols)  # our own column names, never a file's
                 self.conn.executemany(f"update tasks set {sets} where experiment_id = ? and idx = ?", rows)
 
-    def set_goodput(self, exp_id: str, idx: int, goodput: float | None, at: float) -> None:
-        """The task's goodput as added up ``at``; the row's updated_at stays (it tells when
-        the task itself last changed, which is what makes the figure stale)."""
+    def set_goodput(self, exp_id: str, idx: int, goodput: float | None, at: float, fault_costs: str | None = None) -> None:
+        """The task's goodput (and its faults' cost by kind, JSON) as added up ``at``; the row's
+        updated_at stays (it tells when the task itself last changed, which is what makes the
+        figure stale)."""
         with self.tx():
-            self.conn.execute("update tasks set goodput = ?, goodput_at = ? where experiment_id = ? and idx = ?", [goodput, at, exp_id, idx])
+            self.conn.execute("update tasks set goodput = ?, goodput_at = ?, fault_costs = ? where experiment_id = ? and idx = ?",
+                              [goodput, at, fault_costs, exp_id, idx])
 
     def _roll_up(self, exp_id: str, cause: str) -> None:
         exp = self.experiment(exp_id)

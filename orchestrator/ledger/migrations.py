@@ -180,6 +180,17 @@ def _m006_notifications(db: sqlite_utils.Database) -> None:
     db["notifications"].create_index(["state", "experiment_id"])
 
 
+def _m007_steady_steps(db: sqlite_utils.Database) -> None:
+    # the slowest step a rank took past its warm-up, from a trainer that beats through its
+    # slow phases: the hang timeout of steady training is a few of them, not a minute
+    db["heartbeats"].add_column("steady_s", float)
+    db["tasks"].add_column("step_time_steady", float)  # the slowest of them, over every rank and attempt
+    db["tasks"].add_column("hang_timeout_s", float)  # the steady training's timeout the watcher applies (status shows it)
+    # what its faults cost by kind (JSON: kind -> count, seconds per fault, queued per fault),
+    # added up with the goodput: `status --json` shows it without reading a file
+    db["tasks"].add_column("fault_costs", str)
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
@@ -187,6 +198,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("004_eval", _m004_eval),
     ("005_event_data", _m005_event_data),
     ("006_notifications", _m006_notifications),
+    ("007_steady_steps_fault_costs", _m007_steady_steps),
 ]
 
 

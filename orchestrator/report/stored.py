@@ -4,8 +4,10 @@ up reads its run folder, and a thousand tasks must not stretch a cycle."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import asdict
 
 from orchestrator.ledger import Ledger
 
@@ -16,6 +18,18 @@ DUE_MAX = 200  # tasks looked at per call
 FILE_MAX = 16 * 1024 * 1024  # of a task's metrics or events file: a longer one is left to `orchestrate report`
 
 log = logging.getLogger(__name__)
+
+
+def fault_costs_json(faults: list) -> str | None:
+    """What the task's faults cost by kind, as status shows it: count, allocated seconds per
+    fault, queued seconds per fault (None: no fault)."""
+    from orchestrator.report.faultcost import by_kind
+
+    if not faults:
+        return None
+    kinds = by_kind([asdict(f) for f in faults])
+    return json.dumps({k: {"count": v["count"], "per_fault_s": round(v["per_fault_s"], 3),
+                           "queued_per_fault_s": round(v["queued_per_fault_s"], 3)} for k, v in kinds.items()})
 
 
 def due(ledger: Ledger, exp_ids: list[str], now: float) -> list[dict]:
@@ -39,8 +53,6 @@ def update(ledger: Ledger, exp_ids: list[str], budget_s: float, now: float | Non
     tasks = due(ledger, exp_ids, now)
     if not tasks:
         return 0
-    import json
-
     from orchestrator.report.document import add_up, attempt_ends_seen, gpus_per_node
     from orchestrator.report.records import read_task
 
@@ -49,18 +61,19 @@ def update(ledger: Ledger, exp_ids: list[str], budget_s: float, now: float | Non
     for t in tasks:
         if done and time.monotonic() - t0 > budget_s:
             break
-        exp_id, value = t["experiment_id"], None
+        exp_id, value, costs = t["experiment_id"], None, None
         try:
             if exp_id not in gpus:
                 gpus[exp_id] = gpus_per_node(json.loads((ledger.experiment(exp_id) or {}).get("spec") or "{}"))
             rec = read_task(t["task_dir"], FILE_MAX)
             if not rec.cut:
                 seen = {n: at for (_, n), at in attempt_ends_seen(ledger.task_events(exp_id, t["idx"], "attempt.state")).items()}
-                value = add_up(ledger, exp_id, t["idx"], rec, gpus[exp_id], seen, now).goodput
+                g = add_up(ledger, exp_id, t["idx"], rec, gpus[exp_id], seen, now)
+                value, costs = g.goodput, fault_costs_json(g.faults)
         except Exception as exc:  # one task's records never stop the watcher's cycle
             if ledger.strict:
                 raise
             log.warning("%s task %s: goodput not added up (%s: %s)", exp_id, t["idx"], type(exc).__name__, exc)
-        ledger.set_goodput(exp_id, t["idx"], value, now)
+        ledger.set_goodput(exp_id, t["idx"], value, now, costs)
         done += 1
     return done

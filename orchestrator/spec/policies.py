@@ -148,8 +148,9 @@ class Heartbeat(Strict):
         gt=0,
         le=DAY_S,
         strict=True,
-        description="A training rank silent this long is hung; null: learned from step times "
-        "(10 x the slowest step, at least 60 s).",
+        description="A training rank silent this long is hung; null: learned from step times: 5 x the slowest steady step "
+        "(at least 10 s) once a process is past its first 3 steps, where its loop beats through saves and evaluations (the "
+        "built-in loop does); otherwise 10 x the slowest step, at least 60 s.",
     )
     startup_timeout_s: float = Field(
         900.0, gt=0, le=DAY_S, strict=True, description="Allowed silence before the first step (loading, rendezvous)."

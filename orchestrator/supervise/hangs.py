@@ -23,7 +23,9 @@ def check(act: Acting, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, pa
     if attempt["state"] != AttemptState.RUNNING.value or not attempt["launch"]:
         return
     beats = act.ledger.heartbeats(exp["id"], task["idx"])
-    hang = recovery.find_hang(beats, attempt["launch"], cfg.heartbeat, task.get("step_time_max"), act.clock())
+    note_timeout(act, exp, task, cfg)
+    hang = recovery.find_hang(beats, attempt["launch"], cfg.heartbeat, task.get("step_time_max"), act.clock(),
+                              task.get("step_time_steady"))
     if hang is None:
         return
     ldir = contract.launch_dir(task["task_dir"], attempt["launch"])
@@ -47,6 +49,33 @@ def check(act: Acting, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, pa
     if contract.create_exclusive_json(contract.generation_end_path(ldir, hang.generation), record):
         what = "the agents dump every rank's stacks, then restart in place" if record["action"] == GenerationAction.RESTART else "the agents dump every rank's stacks, then stop the launch"
         act.ledger.event(exp["id"], "hang.detected", f"{hang.cause}: {record['decision']}; {what}", idx=task["idx"], attempt=attempt["number"])
+
+
+def note_timeout(act: Acting, exp: dict, task: dict, cfg: TaskConfig) -> None:
+    """The steady training's hang timeout in effect, kept on the task (status shows it) and,
+    once learned and whenever it moves by more than a tenth, an event that says why."""
+    steady, slowest = _stored(task.get("step_time_steady")), _stored(task.get("step_time_max"))
+    timeout = recovery.steady_timeout(cfg.heartbeat, slowest, steady)
+    before = _stored(task.get("hang_timeout_s"))
+    if before and abs(timeout - before) <= 0.1 * before:
+        return
+    if cfg.heartbeat.timeout_s:
+        why = "heartbeat.timeout_s"
+    elif steady and timeout < recovery.train_timeout(cfg.heartbeat, slowest):
+        why = (f"learned: {recovery.STEADY_TIMEOUT_FACTOR:g} x the slowest steady step, {steady:.2f} s "
+               f"(at least {recovery.STEADY_TIMEOUT_MIN_S:g} s)")
+    else:
+        why = (f"learned: {recovery.LEARNED_TIMEOUT_FACTOR:g} x the slowest step, {slowest:.2f} s (at least "
+               f"{recovery.LEARNED_TIMEOUT_MIN_S:g} s), until the ranks report steady steps")
+    with act.ledger.tx():
+        act.ledger.update_task(exp["id"], task["idx"], hang_timeout_s=timeout)
+        act.ledger.event(exp["id"], "hang.timeout", f"a training rank silent for {timeout:.0f} s "
+                         f"(+ {cfg.heartbeat.interval_s:g} s between heartbeats) is hung; {why}", idx=task["idx"])
+    task["hang_timeout_s"] = timeout
+
+
+def _stored(value) -> float:
+    return float(value) if type(value) in (int, float) and value == value and 0 < value < float("inf") else 0.0
 
 
 def escalate_unanswered(act: Acting, exp: dict, task: dict, attempt: dict, ldir: Path, generation: int) -> None:

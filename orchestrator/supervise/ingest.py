@@ -22,7 +22,7 @@ from orchestrator.runfolder.badrecords import Problem, Problems
 from orchestrator.runfolder.launches import LaunchRecord
 
 
-_HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "time")
+_HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "steady_s", "time")
 _METRIC_FIELDS = ("loss", "lr", "throughput", "eval_loss", "time")
 BATCHES_PER_REFRESH = 16  # reads of one JSONL file per refresh (safe_read.READ_MAX each); the rest waits
 
@@ -42,8 +42,9 @@ def _stored_number(value) -> float:
     return float(value) if type(value) in (int, float) and math.isfinite(value) else 0.0
 
 
-def _progress_columns(beats: list[dict], metrics: list[dict], step_time_max) -> dict:
-    """The task's summary columns from the newest heartbeats and metrics."""
+def _progress_columns(beats: list[dict], metrics: list[dict], learned: dict) -> dict:
+    """The task's summary columns from the newest heartbeats and metrics. ``learned``: the
+    task's row as stored (its slowest steps so far, only ever raised here)."""
     fields: dict = {}
     if beats:
         fields["heartbeat_at"] = max(r["time"] or 0 for r in beats)
@@ -52,8 +53,11 @@ def _progress_columns(beats: list[dict], metrics: list[dict], step_time_max) -> 
             fields["step"] = max(steps)
         fields["nodes"] = ",".join(sorted({r["node"] for r in beats if r["node"]}))
         slowest = max((r["step_time_s"] or 0 for r in beats), default=0)
-        if slowest > _stored_number(step_time_max):
+        if slowest > _stored_number(learned.get("step_time_max")):
             fields["step_time_max"] = slowest
+        steady = max((r["steady_s"] or 0 for r in beats), default=0)
+        if steady > _stored_number(learned.get("step_time_steady")):
+            fields["step_time_steady"] = steady
     if metrics:
         last = max(metrics, key=lambda r: r["step"])
         fields.update(loss=last["loss"], throughput=last["throughput"])
@@ -122,11 +126,12 @@ class _Tail:
             batch.skipped.append(f"{where}: skipped {lines.bad} bad line(s); the first, at byte {at}: {why}")
 
 
-def read_progress(exp_id: str, idx: int, task_dir: str | Path, cursors: dict[str, int], step_time_max=None,
+def read_progress(exp_id: str, idx: int, task_dir: str | Path, cursors: dict[str, int], task: dict | None = None,
                   problems: Problems | None = None) -> Iterator[Batch]:
     """Heartbeats, metrics and trainer events of one task since the ``cursors`` (the
     ledger's read positions, kept current here), as batches of at most one bounded read
-    of each file, up to ``BATCHES_PER_REFRESH``. Nothing is written: ``store`` does that.
+    of each file, up to ``BATCHES_PER_REFRESH``. ``task``: its ledger row (the step times
+    learned so far). Nothing is written: ``store`` does that.
     Whole files that cannot be read are added to ``problems`` (reported by the caller)."""
     problems = [] if problems is None else problems
     key = {"experiment_id": exp_id, "idx": idx}
@@ -139,7 +144,7 @@ def read_progress(exp_id: str, idx: int, task_dir: str | Path, cursors: dict[str
             return
         metrics = [{**key, "step": m["step"], **{k: m.get(k) for k in _METRIC_FIELDS}} for m in (mlines.rows if mlines else ())]
         batch = Batch(exp_id, idx, beats, metrics, list(elines.rows) if elines else [], {}, [],
-                      _progress_columns(beats, metrics, step_time_max))
+                      _progress_columns(beats, metrics, task or {}))
         etail.consumed(elines, batch, task_dir)
         mtail.consumed(mlines, batch, task_dir)
         yield batch
@@ -169,7 +174,7 @@ def ingest_progress(ledger: Ledger, exp_id: str, idx: int, task_dir: str | Path,
     """One task's files into the ledger, in one transaction (``refresh.ingest_all`` does many)."""
     with ledger.tx():
         cursors = ledger.cursors(cursor_keys(task_dir))
-        store(ledger, list(read_progress(exp_id, idx, task_dir, cursors, ledger.task(exp_id, idx).get("step_time_max"), problems)))
+        store(ledger, list(read_progress(exp_id, idx, task_dir, cursors, ledger.task(exp_id, idx), problems)))
 
 
 def ingest_restarts(ledger: Ledger, exp_id: str, idx: int, attempt: int, launch: LaunchRecord, task_dir: str) -> None:

@@ -17,6 +17,14 @@ from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.states import ActionState, AttemptState
 
+# Learned hang timeouts (heartbeat.timeout_s unset). Two of them, because silence differs by
+# what a rank does. Steady training (a trainer that beats through its saves and evaluations,
+# past its first steps): a few times the slowest steady step seen, so that a hang costs
+# seconds; a slow node that doubles its step times stays far inside it. Anything else (the
+# first steps after a start, evaluations, saves that beat as they advance, a script's own
+# loop): ten times the slowest step, at least a minute, as before.
+STEADY_TIMEOUT_FACTOR = 5.0
+STEADY_TIMEOUT_MIN_S = 10.0  # a garbage collection, a tracker's flush, a commit: never a hang
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
 LEARNED_TIMEOUT_MIN_S = 60.0
 UNHEALTHY = ("down", "drain", "fail", "not_responding", "no_respond", "maint", "unknown", "reboot", "power")
@@ -44,34 +52,48 @@ class Hang:
 
 
 def train_timeout(hb: Heartbeat, step_time_max: float | None) -> float:
-    """The configured timeout, else one learned from the slowest step seen."""
+    """The configured timeout, else one learned from the slowest step seen (the warm-up's)."""
     if hb.timeout_s:
         return float(hb.timeout_s)
     return max(LEARNED_TIMEOUT_MIN_S, LEARNED_TIMEOUT_FACTOR * (step_time_max or 0.0))
+
+
+def steady_timeout(hb: Heartbeat, step_time_max: float | None, steady_s: float | None) -> float:
+    """Steady training's timeout: the configured one, else a few of the slowest steady steps
+    seen (``steady_s``: of the rank or the task, the larger); never longer than the warm-up's."""
+    if hb.timeout_s or not steady_s:
+        return train_timeout(hb, step_time_max)
+    return min(train_timeout(hb, step_time_max), max(STEADY_TIMEOUT_MIN_S, STEADY_TIMEOUT_FACTOR * steady_s))
 
 
 def _finite(value) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
 
-def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max: float | None, now: float) -> Hang | None:
+def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max: float | None, now: float,
+              step_time_steady: float | None = None) -> Hang | None:
     """The rank of the launch's newest generation that has been silent longest past its
-    timeout. Silence is allowed to last longer before the first step and while a
-    checkpoint is written; ranks that finished, failed or are leaving are not hung."""
+    timeout. Silence is allowed to last longer before the first step, in a process's first
+    steps, while it evaluates and while a checkpoint is written; ranks that finished, failed
+    or are leaving are not hung."""
     rows = [h for h in heartbeats if h.get("launch") == launch and h.get("time") and _finite(h["time"]) and _finite(h.get("generation") or 0)]
     if not rows:
         return None  # (a row of a damaged type, written by an older version, is not a heartbeat)
     generation = max(h.get("generation") or 0 for h in rows)
     # ALIVE: the agent's beat for a rank that reports no steps, written while its output grows
     # WRITING: a save that beats whenever it advances; stalled, it is as hung as a stuck step
-    limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: train_timeout(hb, step_time_max), Phase.SAVING: hb.save_timeout_s,
-              Phase.ALIVE: train_timeout(hb, step_time_max), Phase.WRITING: train_timeout(hb, step_time_max)}
+    warm_up = train_timeout(hb, step_time_max)
+    limits = {Phase.INIT: hb.startup_timeout_s, Phase.TRAIN: warm_up, Phase.SAVING: hb.save_timeout_s,
+              Phase.ALIVE: warm_up, Phase.WRITING: warm_up, Phase.EVAL: warm_up}
     worst: Hang | None = None
     for h in rows:
         if (h.get("generation") or 0) != generation or h.get("phase") not in limits:
             continue
+        limit = limits[h["phase"]]
+        if h["phase"] == Phase.TRAIN and _finite(h.get("steady_s")) and h["steady_s"] > 0:  # past its warm-up
+            limit = steady_timeout(hb, step_time_max, max(h["steady_s"], step_time_steady or 0.0))
         # heartbeats come at most every interval_s: silence counts from when the next was due
-        limit = limits[h["phase"]] + hb.interval_s
+        limit += hb.interval_s
         age = now - h["time"]
         if age > limit and (worst is None or age > worst.age_s):
             worst = Hang(h["rank"], h.get("node"), h.get("step"), h["phase"], age, limit, generation)

@@ -230,7 +230,7 @@ def ingest_all(ledger: Ledger, live: list[LiveTask]) -> dict[tuple[str, int], li
         problems: badrecords.Problems = []
         batches: list[ingest.Batch] = []
         try:
-            for batch in ingest.read_progress(exp_id, idx, tdir, cursors, item.task.get("step_time_max"), problems):
+            for batch in ingest.read_progress(exp_id, idx, tdir, cursors, item.task, problems):
                 batches.append(batch)
                 rows += batch.rows
                 if rows >= STORE_ROWS:  # a watcher catching up after hours holds a bounded share in memory

@@ -15,10 +15,12 @@ from train_entry import faults
 
 
 def test_unset_hooks_do_nothing(tmp_path, monkeypatch):
-    for name in (envvars.FAULT_SLOW_SAVE_S, envvars.FAULT_STALL_SAVE, envvars.FAULT_REINIT, envvars.FAULT_SLOW_STEP_S):
+    for name in (envvars.FAULT_SLOW_SAVE_S, envvars.FAULT_STALL_SAVE, envvars.FAULT_REINIT, envvars.FAULT_SLOW_STEP_S,
+                 envvars.FAULT_SLOW_STEPS, envvars.FAULT_SLOW_EVAL_S):
         monkeypatch.delenv(name, raising=False)
     t0 = time.monotonic()
-    faults.slow_step()
+    faults.slow_step(1)
+    faults.slow_eval()
     faults.slow_save(tmp_path, 0)
     faults.stall_save(3, 1)
     model = torch.nn.Linear(2, 2)
@@ -39,8 +41,22 @@ def test_a_slow_save_writes_all_along_and_leaves_nothing(tmp_path, monkeypatch):
 def test_a_slow_step_sleeps_its_seconds(monkeypatch):
     monkeypatch.setenv(envvars.FAULT_SLOW_STEP_S, "0.2")
     t0 = time.monotonic()
-    faults.slow_step()
+    faults.slow_step(1)
     assert time.monotonic() - t0 >= 0.2
+
+
+def test_a_node_slow_for_a_while_is_slow_in_its_window_of_steps_only(monkeypatch):
+    monkeypatch.delenv(envvars.FAULT_SLOW_STEP_S, raising=False)
+    monkeypatch.setenv(envvars.FAULT_SLOW_STEPS, "0.3:5:6")
+    slept: list = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)  # what each step would sleep, no clock
+    for step in (4, 5, 6, 7):
+        slept.append(f"step {step}")
+        faults.slow_step(step)
+    assert slept == ["step 4", "step 5", 0.3, "step 6", 0.3, "step 7"]
+    monkeypatch.setenv(envvars.FAULT_SLOW_EVAL_S, "0.2")
+    faults.slow_eval()
+    assert slept[-1] == 0.2
 
 
 def test_the_stall_is_for_its_step_on_rank_1_of_the_first_launch_and_generation_only(monkeypatch):

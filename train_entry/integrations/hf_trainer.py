@@ -146,7 +146,7 @@ class OrchestrateCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.active:
             return
-        faults.slow_step()  # tests: a step's wall time that no machine makes shorter
+        faults.slow_step(state.global_step)  # tests: a step's wall time that no machine makes shorter
         run = self.run
         now = time.time()
         run.set_step_time(now - self._step_started)
