@@ -44,6 +44,15 @@ def stats(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
+def spread(values, fmt="{:.1f}") -> str:
+    """min / median / max of the values that are not None, for a table cell ("-": none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    s = stats(values)
+    return " / ".join(fmt.format(s[k]) for k in ("min", "median", "max"))
+
+
 def machine() -> dict:
     import torch
 

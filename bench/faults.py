@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, cancel_all, cluster, machine, python, release_requeued, slurm, stats, wait_for  # noqa: E402
+from bench.common import REPO, cancel_all, cluster, machine, python, release_requeued, slurm, spread, stats, wait_for  # noqa: E402
 from orchestrator import contract  # noqa: E402
 
 SPEC = """\
@@ -53,11 +53,12 @@ SLOW_SAVE_S = 6.0
 class Run:
     """One experiment under `orchestrate submit` + `orchestrate watch`, as a user runs them."""
 
-    def __init__(self, work: Path, name: str, hb: str = "", res: str = "", env: dict | None = None):
+    def __init__(self, work: Path, name: str, hb: str = "", res: str = "", env: dict | None = None, text: str | None = None):
+        """``text``: a whole spec instead of SPEC's."""
         self.home = work / "home"
         self.env = {**os.environ, "ORCHESTRATE_HOME": str(self.home), **(env or {})}
         spec = work / f"{name}.yaml"
-        spec.write_text(SPEC.format(name=name, hb=hb, res=res, every=EVERY))
+        spec.write_text(text if text is not None else SPEC.format(name=name, hb=hb, res=res, every=EVERY))
         self.exp_id = self.cli("submit", str(spec), "--executor", "slurm").strip().splitlines()[-1]
         exp = json.loads(self.cli("status", self.exp_id, "--json"))["experiments"][0]
         self.tdir = contract.task_dir(exp["run_dir"], 0)
@@ -308,12 +309,7 @@ def main() -> int:
 PARTS = ("detection", "scheduling", "startup", "load", "first_step", "total")
 
 
-def _f(values, fmt="{:.1f}") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    s = stats(values)
-    return " / ".join(fmt.format(s[k]) for k in ("min", "median", "max"))
+_f = spread
 
 
 def _median(values) -> float:

@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,thousand,faults,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load]
+    python bench/run.py [--quick] [--only submission,thousand,faults,hangs,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -29,6 +29,7 @@ BENCHES = {
     "thousand": ("A thousand tasks (local SLURM cluster)", ["--tasks", "1000", "--small", "250"], ["--tasks", "40", "--small", "10"]),
     "faults": ("Recovery, hangs and preemption (local SLURM cluster)", ["--repeats", "3", "--hangs", "5"],
                ["--repeats", "1", "--hangs", "2"]),
+    "hangs": ("Hang detection with learned timeouts (local SLURM cluster)", ["--stops", "3"], ["--stops", "1"]),
     "consolidate": ("Consolidating sharded checkpoints into full weights", ["--model-gb", "1.0", "--repeats", "2"],
                     ["--model-gb", "0.1", "--repeats", "1"]),
     "checkpoint_save": ("Checkpoint save", ["--model-gb", "0.5", "--repeats", "5"], ["--model-gb", "0.05", "--repeats", "1"]),

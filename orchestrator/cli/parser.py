@@ -94,6 +94,9 @@ def _add_read_commands(sub) -> None:
     sp.add_argument("experiment", help="id or name (a name means the newest experiment of that name)")
     sp.add_argument("--out", help="where to write the page (default: report.html in the experiment's run folder)")
     sp.add_argument("--json", action="store_true", help="print the same figures as JSON instead")
+    sp.add_argument("--mtbf", metavar="DURATION",
+                    help="also project the goodput at a fault every DURATION (e.g. 2h, 30m, 7.9h), each costing what "
+                         "this run's faults cost on average")
 
 
 def _add_ckpt(sub) -> None:

@@ -36,7 +36,15 @@ def cmd_report(args) -> int:
     ledger = access.open_ledger(access.home_dir(args.home))
     exp = access.resolve_experiment(ledger, args.experiment)[0]
     refresh.for_reader(ledger, [exp])
-    doc = experiment_report(ledger, ledger.experiment(exp["id"]), slurm_runs=_slurm_runs(ledger, exp))
+    mtbf_s = None
+    if args.mtbf is not None:
+        from orchestrator.spec.units import parse_duration_s
+
+        try:
+            mtbf_s = parse_duration_s(args.mtbf)
+        except ValueError as exc:
+            raise UserError(f"--mtbf: {exc}") from None
+    doc = experiment_report(ledger, ledger.experiment(exp["id"]), slurm_runs=_slurm_runs(ledger, exp), mtbf_s=mtbf_s)
     if args.json:
         print(json.dumps(doc, indent=2, allow_nan=False))
         return 0
@@ -45,7 +53,7 @@ def cmd_report(args) -> int:
     except ImportError:
         raise UserError("the HTML report draws its plots with matplotlib, which is not installed: "
                         "pip install 'orchestrate[report]' (or use --json)") from None
-    from orchestrator.report.html import render
+    from orchestrator.report.html import projection_line, render
 
     out = Path(args.out).expanduser() if args.out else Path(exp["run_dir"]) / "report.html"
     if out.is_dir():
@@ -54,4 +62,6 @@ def cmd_report(args) -> int:
         raise UserError(f"--out {out}: its folder {out.parent} does not exist")
     contract.atomic_write_text(out, render(doc))
     print(f"wrote {out}")
+    if doc.get("projection"):
+        print(projection_line(doc["projection"]))
     return 0

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.values import json_safe
-from orchestrator.report import goodput
+from orchestrator.report import faultcost, goodput
 from orchestrator.report.records import read_task
 from orchestrator.states import AttemptState
 
@@ -78,17 +78,6 @@ def task_report(ledger: Ledger, exp: dict, task: dict, gpus: int, seen: dict[int
     }
 
 
-def _by_kind(tasks: list[dict]) -> dict:
-    out: dict = defaultdict(lambda: {"count": 0, "lost_s": defaultdict(float)})
-    for t in tasks:
-        for f in t["faults"]:
-            k = out[f["kind"]]
-            k["count"] += 1
-            for cat, s in f["lost_s"].items():
-                k["lost_s"][cat] += s
-    return {k: {"count": v["count"], "lost_s": dict(v["lost_s"])} for k, v in out.items()}
-
-
 def _totals(tasks: list[dict]) -> dict:
     keys = ("allocated_s", "node_hours", "gpu_hours", "queued_s", "requeue_queued_s", "watcher_detection_s", "steps_recomputed")
     tot = {k: sum(t["goodput"][k] for t in tasks) for k in keys}
@@ -97,8 +86,10 @@ def _totals(tasks: list[dict]) -> dict:
     return tot
 
 
-def experiment_report(ledger: Ledger, exp: dict, now: float | None = None, slurm_runs: dict | None = None) -> dict:
-    """``slurm_runs``: sacct's runs of the experiment's jobs (``SlurmScheduler.allocations``)."""
+def experiment_report(ledger: Ledger, exp: dict, now: float | None = None, slurm_runs: dict | None = None,
+                      mtbf_s: float | None = None) -> dict:
+    """``slurm_runs``: sacct's runs of the experiment's jobs (``SlurmScheduler.allocations``).
+    ``mtbf_s``: also project the goodput at a fault every that many seconds (``report --mtbf``)."""
     now = time.time() if now is None else now
     events = ledger.events(exp["id"])
     gpus = gpus_per_node(json.loads(exp.get("spec") or "{}"))
@@ -107,12 +98,15 @@ def experiment_report(ledger: Ledger, exp: dict, now: float | None = None, slurm
         seen[idx][n] = at
     tasks = [task_report(ledger, exp, t, gpus, seen[t["idx"]], now, slurm_runs) for t in ledger.tasks(exp["id"])]
     keys = sorted({k for t in tasks for k in t["params"]})
+    totals, kinds = _totals(tasks), faultcost.by_kind([f for t in tasks for f in t["faults"]])
+    projection = None if mtbf_s is None else faultcost.project(totals["seconds"]["productive"], totals["allocated_s"], kinds, mtbf_s)
     return json_safe({
         "experiment": {k: exp.get(k) for k in ("id", "name", "state", "executor", "created_at", "updated_at")},
         "generated_at": now,
         "sweep_keys": keys,
         "tasks": tasks,
-        "totals": _totals(tasks),
-        "by_failure_kind": _by_kind(tasks),
+        "totals": totals,
+        "by_failure_kind": kinds,
+        "projection": projection,
         "events": [{k: e.get(k) for k in ("id", "time", "idx", "attempt", "kind", "old_state", "new_state", "cause")} for e in events],
     })

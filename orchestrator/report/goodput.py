@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from orchestrator.report import faultcost
 from orchestrator.report.records import TaskRecords
 from orchestrator.runfolder.launches import LaunchRecord
 
@@ -44,7 +45,8 @@ class Fault:
     generation: int
     resumed_step: int | None = None  # where the work went on from
     steps_lost: int = 0  # done after that step and before the failure: done again
-    lost_s: dict = field(default_factory=dict)  # category -> seconds this fault cost
+    lost_s: dict = field(default_factory=dict)  # category -> seconds of the allocation this fault cost
+    queued_s: float = 0.0  # outside the allocation: its requeued job's wait in the queue
 
 
 @dataclass
@@ -334,6 +336,8 @@ def task_goodput(attempts: list[dict], rec: TaskRecords, *, now: float, gpus_per
                 fault.lost_s["checkpoint_load"] = nxt.load_s
         out.faults.append(fault)
     _account_queueing(out, attempts, seen)
+    for f in out.faults:
+        f.queued_s = faultcost.queued(f.launch, f.where, attempts)
     out.seconds["unattributed"] = out.allocated_s - sum(v for k, v in out.seconds.items() if k != "unattributed")
     out.segments.sort(key=lambda seg: seg.start)
     return out

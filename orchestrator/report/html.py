@@ -81,9 +81,24 @@ def _kinds_table(doc: dict) -> str:
     if not kinds:
         return '<p class="muted">No failure.</p>'
     cats = sorted({c for k in kinds.values() for c in k["lost_s"]})
-    rows = [[_t(k), _t(v["count"]), _n(sum(v["lost_s"].values()))] + [_n(v["lost_s"].get(c, 0.0)) for c in cats]
-            for k, v in sorted(kinds.items())]
-    return _table(["failure kind", "faults", "lost s"] + [plots.LABELS.get(c, c) + " s" for c in cats], rows, numeric=set(range(1, 3 + len(cats))))
+    rows = [[_t(k), _t(v["count"]), _n(v["lost_total_s"]), _n(v["per_fault_s"], ",.1f")] + [_n(v["lost_s"].get(c, 0.0)) for c in cats]
+            + [_n(v["queued_s"])] for k, v in sorted(kinds.items())]
+    return _table(["failure kind", "faults", "lost s", "per fault s"] + [plots.LABELS.get(c, c) + " s" for c in cats]
+                  + ["queued s (outside)"], rows, numeric=set(range(1, 5 + len(cats))))
+
+
+def projection_line(p: dict | None) -> str:
+    """The projection of ``report --mtbf``, as a sentence (the page's and the command's)."""
+    if not p:
+        return ""
+    if p["goodput"] is None:
+        return "No allocated time to project from."
+    every = f"a fault every {p['mtbf_s'] / 3600:,.2f} h" if p["mtbf_s"] >= 3600 else f"a fault every {p['mtbf_s']:,.0f} s"
+    if not p["faults_seen"]:
+        return f"No fault in this run: nothing to say what {every} would cost; goodput without faults {100 * p['goodput']:.1f} %."
+    return (f"At {every}, each costing what this run's {p['faults_seen']} cost on average ({p['per_fault_s']:,.1f} s of the "
+            f"allocation, and {p['queued_per_fault_s']:,.1f} s queued): goodput {100 * p['goodput']:.1f} % "
+            f"({100 * p['goodput_without_faults']:.1f} % without faults).")
 
 
 def _faults_table(doc: dict) -> str:
@@ -140,7 +155,8 @@ def render(doc: dict) -> str:
         "green dashes: where training resumed; dots: eval loss.</p>", drawn, _figure("loss", plots.loss_figure(tasks)),
         "<h2>Timeline</h2>", _figure("timeline", plots.timeline_figure(tasks, t0)),
         "<h2>Goodput</h2>", _figure("goodput", plots.goodput_figure(tasks, tot)), _breakdown_table(doc), _task_goodput_table(doc),
-        "<h3>Lost time by failure kind</h3>", _kinds_table(doc), _faults_table(doc),
+        "<h3>Lost time by failure kind</h3>", _kinds_table(doc),
+        f"<p>{_t(projection_line(doc.get('projection')))}</p>" if doc.get("projection") else "", _faults_table(doc),
         "<h2>Throughput</h2>", _figure("throughput", plots.throughput_figure(tasks)),
         "<h2>Checkpoints</h2>", _saves_table(doc), _figure("saves", plots.saves_figure(tasks) if any(t["saves"] for t in tasks) else None),
     ]

@@ -1,4 +1,5 @@
-"""Pure parsers for the units SLURM uses: time limits and memory sizes."""
+"""Pure parsers for the units SLURM uses (time limits, memory sizes), and for durations and
+sizes as people write them (``2h``, ``200KB``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ def parse_slurm_time(text: str) -> int:
     raise ValueError(
         f"{_shown(text)} is not a SLURM time limit; use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
     )
+
+
+_DURATION = re.compile(r"^(\d{1,9}(?:\.\d{1,6})?)\s*([smhd]?)$", re.IGNORECASE)
+
+
+def parse_duration_s(text: str) -> float:
+    """Seconds in a duration as people write one: ``90`` (seconds), ``90s``, ``30m``, ``2h``,
+    ``1.5d``. Raises ValueError naming the accepted forms; zero is not a duration."""
+    m = _DURATION.match(str(text).strip())
+    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()] if m else 0.0
+    if seconds <= 0:
+        raise ValueError(f"{_shown(text)} is not a duration; use seconds, or a number with s, m, h or d (90s, 30m, 2h, 1.5d)")
+    return seconds
 
 
 def _shown(text) -> str:

@@ -5,9 +5,11 @@ same records written as the compute nodes write them."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from orchestrator.report import goodput
+from orchestrator.report import faultcost, goodput
 from orchestrator.report.records import TaskRecords
 from orchestrator.runfolder.launches import LaunchRecord
 
@@ -283,6 +285,17 @@ def test_stored_goodput_is_bounded_and_one_bad_task_stops_nothing(reported, monk
     ledger.strict = False
     assert stored.update(ledger, ["e1"], 1.0) == 1
     assert ledger.task("e1", 0)["goodput"] == pytest.approx(100 / 147)
+    # status --json: what each kind of fault cost, added up with the goodput
+    from orchestrator.cli import render
+
+    costs = render.status_document(ledger, ledger.find_experiments("e1"))["experiments"][0]["tasks"][0]["fault_costs"]
+    assert costs == {"infrastructure": {"count": 1, "per_fault_s": pytest.approx(15.0 + 2.0 + 6.2 + 1.5), "queued_per_fault_s": 0.0},
+                     "preemption": {"count": 1, "per_fault_s": pytest.approx(8.6), "queued_per_fault_s": pytest.approx(30.0)}}
+    ledger.db["tasks"].update(("e1", 0), {"fault_costs": '{"x": [1], "y": {"count": "many"}'})  # damaged: never a crash
+    assert render.status_document(ledger, ledger.find_experiments("e1"))["experiments"][0]["tasks"][0]["fault_costs"] == {}
+    ledger.db["tasks"].update(("e1", 0), {"fault_costs": '{"x": [1], "y": {"count": "many"}}'})
+    assert render.status_document(ledger, ledger.find_experiments("e1"))["experiments"][0]["tasks"][0]["fault_costs"] == {
+        "y": {"count": None, "per_fault_s": None, "queued_per_fault_s": None}}
     assert stored.update(ledger, ["e1"], 1.0) == 0  # ended and added up: not due again
     ledger.db["tasks"].update(("e1", 0), {"goodput_at": None})
 
@@ -293,3 +306,42 @@ def test_stored_goodput_is_bounded_and_one_bad_task_stops_nothing(reported, monk
     assert stored.update(ledger, ["e1"], 1.0) == 1  # logged, stored as unknown, not retried every cycle
     row = ledger.task("e1", 0)
     assert row["goodput"] is None and row["goodput_at"] is not None and stored.due(ledger, ["e1"], ledger.clock()) == []
+
+
+def test_each_fault_costs_its_kind_per_fault_and_a_requeue_its_wait_in_the_queue():
+    g = goodput.task_goodput(ATTEMPTS, records(), now=1000.0)
+    crash, preempt = g.faults
+    assert crash.queued_s == 0.0  # in place: nothing queued
+    assert preempt.queued_s == pytest.approx(258.0 - 228.0)  # its job's end to the next attempt's start
+    kinds = faultcost.by_kind([asdict(f) for f in g.faults])
+    assert kinds["preemption"]["per_fault_s"] == pytest.approx(1.5 + 6.1 + 1.0)
+    assert kinds["preemption"]["queued_per_fault_s"] == pytest.approx(30.0)
+    assert kinds["infrastructure"]["lost_total_s"] == pytest.approx(15.0 + 2.0 + (175.2 - 1.5 - 167.5) + 1.5)
+
+
+def test_the_goodput_projected_at_a_fault_rate_is_the_clean_goodput_less_the_share_faults_cost():
+    kinds = {"hang": {"count": 2, "lost_total_s": 40.0, "queued_s": 0.0}, "preemption": {"count": 2, "lost_total_s": 20.0, "queued_s": 60.0}}
+    p = faultcost.project(productive_s=800.0, allocated_s=1060.0, kinds=kinds, mtbf_s=1500.0)
+    assert p["per_fault_s"] == 15.0 and p["faults_seen"] == 4 and p["queued_per_fault_s"] == 15.0
+    assert p["goodput_without_faults"] == pytest.approx(800.0 / 1000.0)
+    assert p["goodput"] == pytest.approx(0.8 * (1 - 15.0 / 1500.0))
+    assert faultcost.project(800.0, 1060.0, kinds, 10.0)["goodput"] == 0.0  # a fault costs more than the time between two
+    none = faultcost.project(800.0, 1000.0, {}, 3600.0)
+    assert none["faults_seen"] == 0 and none["goodput"] == pytest.approx(0.8)
+
+
+def test_report_mtbf_projects_in_json_and_on_the_page_and_refuses_a_bad_duration(reported, capsys, tmp_path):
+    import json
+
+    main, _, _ = reported
+    assert main(["report", "chaos", "--json", "--mtbf", "2h"]) == 0
+    p = json.loads(capsys.readouterr().out)["projection"]
+    clean = 100 / (147 - (15.0 + 2.0 + (175.2 - 1.5 - 167.5) + 1.5) - (1.5 + 6.1 + 1.0))
+    assert p["mtbf_s"] == 7200.0 and p["faults_seen"] == 2 and p["goodput_without_faults"] == pytest.approx(clean)
+    assert p["goodput"] == pytest.approx(clean * (1 - p["per_fault_s"] / 7200.0))
+    assert main(["report", "chaos", "--out", str(tmp_path / "r.html"), "--mtbf", "30m"]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("At a fault every 1,800 s, each costing what this run's 2 cost on average") and "goodput" in said
+    assert "At a fault every 1,800 s" in (tmp_path / "r.html").read_text()
+    assert main(["report", "chaos", "--json", "--mtbf", "soon"]) == 2
+    assert "--mtbf: 'soon' is not a duration" in capsys.readouterr().err
