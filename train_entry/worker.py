@@ -19,6 +19,7 @@ from orchestrator import contract  # noqa: E402
 from orchestrator.contract import ExitCode, envvars  # noqa: E402
 
 from train_entry import errors, faults  # noqa: E402
+from train_entry.checkpoint.auto import AutoInterval  # noqa: E402
 from train_entry.checkpoint.policy import Due, SavePolicy  # noqa: E402
 from train_entry.env import RankContext  # noqa: E402
 from train_entry.session import RankSession  # noqa: E402
@@ -150,6 +151,7 @@ class Loop:
         self.items_per_step = batch.micro_batch_size * self.accum * ctx.world_size * self.workload.tokens_per_sample
         self.agree = Agreement(dist, torch)
         self.policy = SavePolicy.of(self.cfg.checkpoint)  # when a save is due
+        self.auto = AutoInterval(self.cfg.checkpoint, self.session.task_dir, ctx.rank, self.hb)  # every_steps: auto
         self.last_loss: float | None = None
         self.step_losses: list = []  # the micro-batch losses of the last step (a save records their mean)
         if resume.folder is not None:  # before the first step: the loaded state is the one committed
@@ -181,7 +183,9 @@ class Loop:
             if due is Due.SCHEDULED:
                 self.save("scheduled")
             if self.step < total:  # posted after the save, so a timed save is not asked for twice
-                self.agree.post(self.session.signal.raised, self.policy.by_time(ckpt.last_save_time, time.time()))
+                now = time.time()
+                self.agree.post(self.session.signal.raised,
+                                self.policy.by_time(ckpt.last_save_time, now) or self.auto.due(ckpt.last_save_time, now))
             self.hb.beat(self.step, contract.Phase.TRAIN)
         self.finish_pending()
         if self.policy.final_save(self.step, ckpt.committed_step):
@@ -270,6 +274,7 @@ class Loop:
 
     def saved(self, info: dict | None, why: str) -> None:
         if info and info.get("folder"):
+            self.auto.saved(info.get("blocked_s"))
             self.hb.event("checkpoint.committed", f"step {info['step']} saved ({why}): training blocked {info['blocked_s']:.2f} s, "
                           f"{info['total_s']:.2f} s in all", **info)
 

@@ -105,6 +105,11 @@ def cancel_flag_path(tdir: PathLike) -> Path:
     return Path(tdir) / "cancel"
 
 
+def fault_rate_path(tdir: PathLike) -> Path:
+    """The watcher's word to the ranks on how often faults come (``checkpoint.every_steps: auto``)."""
+    return Path(tdir) / "fault-rate.json"
+
+
 # ---------------------------------------------------------------- one launch
 
 

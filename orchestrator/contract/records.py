@@ -115,6 +115,14 @@ TRAINER_EVENT = Schema(
      "load_s": lenient(duration), "startup_s": lenient(duration), "seconds": lenient(duration)},
     defaults={"event": "trainer", "cause": ""},
 )
+# the watcher's fault rate for a task (layout.fault_rate_path): what ``every_steps: auto`` sizes
+# its interval by; ``mtbf_s`` null: no fault seen
+FAULT_RATE = Schema(
+    "fault rate",
+    {"mtbf_s": nullable(number), "faults": count, "node_hours": number, "source": text(MESSAGE_MAX), "time": number},
+    required=("time",),
+    defaults={"mtbf_s": None, "faults": 0, "node_hours": 0.0, "source": ""},
+)
 START = Schema(
     "launch start",
     {"launch": launch_name, "job_id": name, "restart_count": count, "nodes": items(name), "world_size": count, "time": number},

@@ -95,11 +95,20 @@ class Consolidate:
 class Checkpoint:
     """The spec's `checkpoint`."""
 
-    # Save every N optimizer steps. Built-in trainer only; a `script` or `command` model ignores it.
-    every_steps: int | None = None
+    # Save every N optimizer steps; `auto`: at the interval that loses the least time to saves and
+    # faults together (Young-Daly: sqrt(2 x what a save blocks x the mean time between faults the
+    # watcher has seen), between `auto_min_minutes` and `auto_max_minutes`; each change is an
+    # event). Built-in trainer only; a `script` or `command` model ignores it.
+    every_steps: int | Literal["auto"] | None = None
     # Save when this much time passed since the last save. Built-in trainer only; a `script` or
     # `command` model ignores it.
     every_minutes: float | None = None
+    # With `every_steps: auto`: never save more often than this. Built-in trainer only; a `script`
+    # or `command` model ignores it.
+    auto_min_minutes: float = 1.0
+    # With `every_steps: auto`: never save less often than this (and this often while no fault was
+    # seen). Built-in trainer only; a `script` or `command` model ignores it.
+    auto_max_minutes: float = 60.0
     # Committed checkpoints kept; at least 2, since the newest may be damaged. Built-in trainer and
     # the integrations (train_entry.client, HF Trainer, Accelerate); a `command` without one ignores
     # it.

@@ -16,6 +16,10 @@ class Attempts(Experiments):  # a new attempt is the task's job too
             return self._select("attempts", "experiment_id = ?", [exp_id], order_by="idx, number")
         return self._select("attempts", "experiment_id = ? and idx = ?", [exp_id, idx], order_by="number")
 
+    def attempts_started_since(self, since: float, limit: int = 100_000) -> list[dict]:
+        """Every experiment's attempts that started at ``since`` or later (the cluster's recent history)."""
+        return self._select("attempts", "started_at >= ?", [since], order_by=f"started_at desc limit {int(limit)}")
+
     def attempt(self, exp_id: str, idx: int, number: int) -> dict:
         return self._get("attempts", "experiment_id = ? and idx = ? and number = ?", [exp_id, idx, number])
 

@@ -51,11 +51,21 @@ class Consolidate(Strict):
 
 
 class Checkpoint(Strict):
-    every_steps: Annotated[int | None, TRAINER_ONLY] = Field(
-        None, ge=1, le=MAX_STEPS, strict=True, description="Save every N optimizer steps."
+    every_steps: Annotated[int | Literal["auto"] | None, TRAINER_ONLY] = Field(
+        None,
+        description="Save every N optimizer steps; `auto`: at the interval that loses the least time to saves and faults "
+        "together (Young-Daly: sqrt(2 x what a save blocks x the mean time between faults the watcher has seen), between "
+        "`auto_min_minutes` and `auto_max_minutes`; each change is an event).",
     )
     every_minutes: Annotated[float | None, TRAINER_ONLY] = Field(
         None, gt=0, le=YEAR_S / 60, strict=True, description="Save when this much time passed since the last save."
+    )
+    auto_min_minutes: Annotated[float, TRAINER_ONLY] = Field(
+        1.0, gt=0, le=YEAR_S / 60, strict=False, description="With `every_steps: auto`: never save more often than this."
+    )
+    auto_max_minutes: Annotated[float, TRAINER_ONLY] = Field(
+        60.0, gt=0, le=YEAR_S / 60, strict=False, description="With `every_steps: auto`: never save less often than this "
+        "(and this often while no fault was seen)."
     )
     keep_last: Annotated[int, WITH_INTEGRATION] = Field(
         2, ge=2, le=MAX_RETRIES, strict=True, description="Committed checkpoints kept; at least 2, since the newest may be damaged."
@@ -92,6 +102,22 @@ class Checkpoint(Strict):
         description="When set, the last step is saved and the job then writes full weights from it into the task's "
         "`weights/` folder (as `orchestrate ckpt consolidate` does), recorded in the ledger; e.g. `{dtype: bf16}`.",
     )
+
+    @field_validator("every_steps", mode="before")
+    @classmethod
+    def _every(cls, v: Any) -> Any:
+        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_STEPS):
+            return v
+        raise ValueError(f"must be a whole number of steps from 1 to {MAX_STEPS:,}, or auto")
+
+    @model_validator(mode="after")
+    def _auto(self) -> "Checkpoint":
+        if self.every_steps == "auto" and self.every_minutes is not None:
+            raise ValueError("every_minutes is what every_steps: auto chooses: leave it out, and bound auto with "
+                             "auto_min_minutes and auto_max_minutes")
+        if self.auto_min_minutes > self.auto_max_minutes:
+            raise ValueError(f"auto_min_minutes ({self.auto_min_minutes:g}) is above auto_max_minutes ({self.auto_max_minutes:g})")
+        return self
 
 
 class Retry(Strict):

@@ -20,6 +20,7 @@ class Acting:
     clock: Callable[[], float]
     owner: str  # host:pid:token of the watcher
     schedulers: dict[str, Scheduler] = field(default_factory=dict)  # shared with the refresh, which fills it too
+    memo: dict = field(default_factory=dict)  # what a step keeps from one cycle to the next (fault_rate: what it told)
 
     def scheduler(self, name: str) -> Scheduler:
         if name not in self.schedulers:

@@ -31,7 +31,7 @@ from orchestrator.report import stored
 from orchestrator.scheduler import Observation
 from orchestrator.scheduler.site_limits import QUEUE_WAITING
 from orchestrator.states import TaskState
-from orchestrator.supervise import hangs, pending_jobs, queue_room, recover, refresh
+from orchestrator.supervise import fault_rate, hangs, pending_jobs, queue_room, recover, refresh
 from orchestrator.supervise.acting import Acting
 from orchestrator.supervise.leases import WatcherLeases, lease_ttl_s
 
@@ -179,6 +179,7 @@ class Watcher:
         attempt = attempts[-1]
         recover.finish_planned(self.act, exp, task, attempts, observations)
         hangs.check(self.act, exp, task, attempt, cfg, self.pacer)
+        fault_rate.tell(self.act, exp, task, attempts, cfg)
         if observations is None:
             return  # no recovery is decided while the scheduler does not answer
         obs = observations.get(attempt["job_id"])

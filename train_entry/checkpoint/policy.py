@@ -23,7 +23,7 @@ class Due(enum.Enum):
 
 @dataclass(frozen=True)
 class SavePolicy:
-    every_steps: int | None = None
+    every_steps: int | str | None = None  # "auto": checkpoint.auto.AutoInterval decides
     every_minutes: float | None = None
     consolidate: bool = False  # the job's last step consolidates the final checkpoint
 
@@ -34,6 +34,8 @@ class SavePolicy:
 
     def by_step(self, step: int, total: int) -> bool:
         every = self.every_steps
+        if every == "auto":  # chosen in time, not steps (checkpoint.auto): agreed as a time-based save is
+            return False
         return bool(every) and step < total and step % every == 0
 
     def by_time(self, last_save: float, now: float) -> bool:
