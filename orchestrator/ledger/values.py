@@ -19,6 +19,11 @@ def as_text(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
+def stored_number(value: Any) -> float:
+    """A number the ledger holds; 0 for a damaged one (written by an older version)."""
+    return float(value) if type(value) in (int, float) and math.isfinite(value) else 0.0
+
+
 def json_safe(value: Any) -> Any:
     """Ledger rows as strict JSON: bytes as text, NaN and infinities as null."""
     if isinstance(value, dict):

@@ -15,8 +15,10 @@ from collections import defaultdict
 def queued(launch: str, where: str, attempts: list[dict]) -> float:
     """A fault recovered through the queue waited there: the end of the attempt that ran
     ``launch`` to the next attempt's start (0 for one recovered in place)."""
+    if where != "requeue":
+        return 0.0
     for a, b in zip(attempts, attempts[1:]):
-        if a.get("launch") == launch and where == "requeue" and a.get("ended_at") and b.get("started_at"):
+        if a.get("launch") == launch and a.get("ended_at") and b.get("started_at"):
             return max(b["started_at"] - a["ended_at"], 0.0)
     return 0.0
 

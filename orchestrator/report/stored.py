@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict
 
 from orchestrator.ledger import Ledger
+from orchestrator.report.faultcost import by_kind
 
 STALE_S = 300.0  # a live task's goodput is added up again after this long
 WATCHER_BUDGET_S = 0.2
@@ -23,8 +24,6 @@ log = logging.getLogger(__name__)
 def fault_costs_json(faults: list) -> str | None:
     """What the task's faults cost by kind, as status shows it: count, allocated seconds per
     fault, queued seconds per fault (None: no fault)."""
-    from orchestrator.report.faultcost import by_kind
-
     if not faults:
         return None
     kinds = by_kind([asdict(f) for f in faults])

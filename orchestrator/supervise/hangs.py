@@ -9,6 +9,7 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.contract import FailureKind, GenerationAction, TaskConfig, records
 from orchestrator.contract.safe_read import cut
+from orchestrator.ledger.values import stored_number
 from orchestrator.states import AttemptState, TaskState
 from orchestrator.runfolder import badrecords
 from orchestrator.supervise import faults, recovery
@@ -54,9 +55,9 @@ def check(act: Acting, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, pa
 def note_timeout(act: Acting, exp: dict, task: dict, cfg: TaskConfig) -> None:
     """The steady training's hang timeout in effect, kept on the task (status shows it) and,
     once learned and whenever it moves by more than a tenth, an event that says why."""
-    steady, slowest = _stored(task.get("step_time_steady")), _stored(task.get("step_time_max"))
+    steady, slowest = (max(stored_number(task.get(k)), 0.0) for k in ("step_time_steady", "step_time_max"))
     timeout = recovery.steady_timeout(cfg.heartbeat, slowest, steady)
-    before = _stored(task.get("hang_timeout_s"))
+    before = max(stored_number(task.get("hang_timeout_s")), 0.0)
     if before and abs(timeout - before) <= 0.1 * before:
         return
     if cfg.heartbeat.timeout_s:
@@ -72,10 +73,6 @@ def note_timeout(act: Acting, exp: dict, task: dict, cfg: TaskConfig) -> None:
         act.ledger.event(exp["id"], "hang.timeout", f"a training rank silent for {timeout:.0f} s "
                          f"(+ {cfg.heartbeat.interval_s:g} s between heartbeats) is hung; {why}", idx=task["idx"])
     task["hang_timeout_s"] = timeout
-
-
-def _stored(value) -> float:
-    return float(value) if type(value) in (int, float) and value == value and 0 < value < float("inf") else 0.0
 
 
 def escalate_unanswered(act: Acting, exp: dict, task: dict, attempt: dict, ldir: Path, generation: int) -> None:

@@ -8,7 +8,6 @@ a bad record is skipped and reported once (``badrecords``), never fatal.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from orchestrator import contract
 from orchestrator.contract import GenerationAction, records
 from orchestrator.contract.safe_read import BadRecord, Lines, Schema, read_jsonl
 from orchestrator.ledger import Ledger
+from orchestrator.ledger.values import stored_number
 from orchestrator.runfolder import badrecords
 from orchestrator.runfolder.badrecords import Problem, Problems
 from orchestrator.runfolder.launches import LaunchRecord
@@ -37,11 +37,6 @@ def read_heartbeats(task_dir: str | Path, problems: Problems | None = None) -> l
     return rows
 
 
-def _stored_number(value) -> float:
-    """A number the ledger holds; 0 for a damaged one (written by an older version)."""
-    return float(value) if type(value) in (int, float) and math.isfinite(value) else 0.0
-
-
 def _progress_columns(beats: list[dict], metrics: list[dict], learned: dict) -> dict:
     """The task's summary columns from the newest heartbeats and metrics. ``learned``: the
     task's row as stored (its slowest steps so far, only ever raised here)."""
@@ -53,10 +48,10 @@ def _progress_columns(beats: list[dict], metrics: list[dict], learned: dict) -> 
             fields["step"] = max(steps)
         fields["nodes"] = ",".join(sorted({r["node"] for r in beats if r["node"]}))
         slowest = max((r["step_time_s"] or 0 for r in beats), default=0)
-        if slowest > _stored_number(learned.get("step_time_max")):
+        if slowest > stored_number(learned.get("step_time_max")):
             fields["step_time_max"] = slowest
         steady = max((r["steady_s"] or 0 for r in beats), default=0)
-        if steady > _stored_number(learned.get("step_time_steady")):
+        if steady > stored_number(learned.get("step_time_steady")):
             fields["step_time_steady"] = steady
     if metrics:
         last = max(metrics, key=lambda r: r["step"])
