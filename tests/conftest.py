@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -309,3 +311,68 @@ def xdist_group_of(item) -> str | None:
     if "multiproc" in marks:
         return Path(str(item.fspath)).name
     return None
+
+
+class Hook:
+    """A webhook: records each POST (path, headers, JSON body, the status it answered)."""
+
+    def __init__(self, port: int = 0):
+        self.requests: list[dict] = []
+        self.statuses: list[int] = []  # answered in turn; then 200
+        self.sleep_s = 0.0
+        self.location: str | None = None  # answer a redirect there
+        self.reason: str | None = None  # the reason phrase of a status other than 200 ({path} and {host}: the request's)
+        self.headers: dict[str, str] = {}  # sent with a status other than 200
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status = hook.statuses.pop(0) if hook.statuses else (302 if hook.location else 200)
+                hook.requests.append({"path": self.path, "type": self.headers.get("Content-Type"), "body": json.loads(body),
+                                      "status": status})
+                time.sleep(hook.sleep_s)
+                reason = hook.reason.format(path=self.path, host=self.headers.get("Host")) if hook.reason and status != 200 else None
+                self.send_response(status, reason)
+                if status == 302:
+                    self.send_header("Location", hook.location)
+                for name, value in (hook.headers.items() if status != 200 else ()):
+                    self.send_header(name, value)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/T0/B0/secret"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def delivered(self) -> list[dict]:
+        return [r["body"] for r in self.requests if r["status"] == 200]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A filesystem of its own, ``size_mb`` large (a tmpfs; mounting one needs root, as CI has):
+    ``small_fs(20)`` returns its folder; unmounted after the test."""
+    mounted: list[Path] = []
+
+    def make(size_mb: int) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_mb)}m,mode=0700", "tmpfs", str(where)],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            (pytest.fail if os.environ.get("CI") else pytest.skip)(f"cannot mount a small filesystem: {out.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)

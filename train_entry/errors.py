@@ -19,7 +19,7 @@ import traceback
 from typing import Any, Callable
 
 from orchestrator import contract
-from orchestrator.contract import ExitCode, FailureKind
+from orchestrator.contract import ExitCode, FailureKind, storage
 
 _MARK = "_orchestrate_raised_in_users_code"
 _INFRA = re.compile(
@@ -69,6 +69,8 @@ def classify(exc: BaseException) -> ExitCode:
         return ExitCode.CANCELLED
     if isinstance(exc, UserCodeError):
         return ExitCode.USER_ERROR
+    if storage.storage_error(exc) is not None:  # wherever raised: a full disk is no one's bug
+        return ExitCode.STORAGE
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return ExitCode.OUT_OF_MEMORY
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -86,13 +88,17 @@ def failure_kind(code: ExitCode) -> FailureKind:
 
 def error_record(exc: BaseException, code: ExitCode, rank: int, step: int, generation: int) -> dict:
     """What a failing rank writes to ``contract.error_path``; ``kind`` tells the login side
-    whose fault it was (``internal``: a bug in orchestrate, ``user_error``: the user's)."""
+    whose fault it was (``internal``: a bug in orchestrate, ``user_error``: the user's). A full
+    or failing filesystem is told by its own OSError (not the collective's that carried it)."""
+    err = storage.storage_error(exc) if code == ExitCode.STORAGE else None
+    told = err if err is not None else exc
     return {
+        **(storage.describe(err) if err is not None else {}),
         "rank": rank,
         "exit_code": int(code),
         "kind": failure_kind(code).value,
-        "type": type(exc).__name__,
-        "message": str(exc)[:2000],
+        "type": type(told).__name__,
+        "message": str(told)[:2000],
         "traceback": "".join(traceback.format_exception(exc))[-8000:],
         "step": step,  # the step being trained when it raised: tells a repeating error
         "generation": generation,

@@ -280,15 +280,23 @@ class Loop:
 
 
 def record_failure(session: RankSession, exc: BaseException) -> ExitCode:
-    """Classify the exception, print it to the rank's log, and record it for the login side."""
+    """Classify the exception, print it to the rank's log, and record it for the login side.
+    A full or failing filesystem: the save's uncommitted folder goes first (it holds the
+    space the record needs), and what still cannot be written is said on stderr."""
     code = errors.classify(exc)
-    traceback.print_exception(exc)
     ctx, hb = session.ctx, session.hb
-    contract.atomic_write_json(
-        contract.error_path(session.task_dir, ctx.launch, ctx.rank),
-        errors.error_record(exc, code, ctx.rank, hb.step, ctx.generation),
-    )
-    hb.beat(hb.step, contract.Phase.FAILED, force=True)
+    record = errors.error_record(exc, code, ctx.rank, hb.step, ctx.generation)  # its time: before any clean-up
+    if code == ExitCode.STORAGE:
+        contract.remove_leftovers(session.task_dir)  # never a committed checkpoint
+    try:
+        traceback.print_exception(exc)
+        contract.atomic_write_json(contract.error_path(session.task_dir, ctx.launch, ctx.rank), record)
+        hb.beat(hb.step, contract.Phase.FAILED, force=True)
+    except OSError as write_error:
+        if code != ExitCode.STORAGE:
+            raise
+        print(f"orchestrate worker: rank {ctx.rank}: {record.get('storage_errno')} on {record.get('storage_path')}; "
+              f"the error record could not be written either ({write_error})", file=sys.__stderr__)
     return code
 
 

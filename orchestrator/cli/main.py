@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sqlite3
 import sys
 
 from orchestrator.cli.parser import build_parser
@@ -47,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (OSError, sqlite3.Error) as exc:
+        from orchestrator.ledger import storage_trouble
+
+        trouble = storage_trouble(exc)
+        if trouble is None:
+            raise
+        print(f"error: {trouble}; nothing half-written was kept. Free space there and run the command again", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

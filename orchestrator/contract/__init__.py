@@ -5,8 +5,9 @@ Standard library only: ``train_entry`` imports this package and nothing else fro
 (``layout``), the environment variables the two sides pass (``envvars``), atomic
 writes and safe reads (``files``), the records compute nodes write (``records``,
 ``generations``), the checkpoint on disk (``checkpoint``), the typed task
-configuration (``taskconfig``), exit codes and failure kinds (``codes``), and the SLURM
-host list syntax both sides parse (``hostlist``).
+configuration (``taskconfig``), exit codes and failure kinds (``codes``), a full or
+failing filesystem as both sides tell it (``storage``), and the SLURM host list syntax
+both sides parse (``hostlist``).
 
 Everything public is also importable from the package itself (``contract.ExitCode``).
 """

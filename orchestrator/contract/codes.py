@@ -14,6 +14,7 @@ class ExitCode(enum.IntEnum):
     CANCELLED = 5  # stopped on request (orchestrate cancel)
     OUT_OF_MEMORY = 6  # the device or host ran out of memory
     INTERNAL_ERROR = 7  # orchestrate's own trainer code raised: a bug of ours, not the user's
+    STORAGE = 8  # the run folder's filesystem is full or failing: waits for space, never retried blindly
     REQUEUE = 75  # saved after a preemption or time-limit signal; run me again (EX_TEMPFAIL)
 
 
@@ -43,6 +44,7 @@ class FailureKind(TextEnum):
     CANCELLED = "cancelled"
     INFRASTRUCTURE = "infrastructure"  # a signal, a lost peer, rendezvous, anything else
     LOST = "lost"  # the scheduler forgot the job and it left no end record
+    STORAGE = "storage"  # a full or failing filesystem (contract.storage): resumed once space is back
 
     @property
     def recoverable(self) -> bool:
@@ -68,6 +70,7 @@ _RECOVERABLE = frozenset(
         FailureKind.HANG,
         FailureKind.INFRASTRUCTURE,
         FailureKind.LOST,
+        FailureKind.STORAGE,
     }
 )
 
@@ -76,11 +79,13 @@ _KIND_OF_EXIT = {
     UNCAUGHT_EXCEPTION: FailureKind.USER_ERROR,
     ExitCode.OUT_OF_MEMORY: FailureKind.OOM,
     ExitCode.INTERNAL_ERROR: FailureKind.INTERNAL,
+    ExitCode.STORAGE: FailureKind.STORAGE,
 }
 EXIT_OF_KIND = {
     FailureKind.USER_ERROR: ExitCode.USER_ERROR,
     FailureKind.OOM: ExitCode.OUT_OF_MEMORY,
     FailureKind.INTERNAL: ExitCode.INTERNAL_ERROR,
+    FailureKind.STORAGE: ExitCode.STORAGE,
 }
 
 

@@ -49,7 +49,9 @@ def generation_end(
     at the same step would only come back again: that stops at once, whatever the limit."""
     kind = FailureKind(kind)
     action, why = GenerationAction.RESTART, f"restart {generation + 1} of {max_restarts} in place"
-    if generation >= max_restarts:
+    if kind == FailureKind.STORAGE:
+        action, why = GenerationAction.STOP, "no restart in place on a full or failing filesystem"
+    elif generation >= max_restarts:
         action, why = GenerationAction.STOP, f"the {max_restarts} in-place restart(s) are used up"
     elif kind.repeats and step is not None and any(h.get("kind") == kind.value and h.get("step") == step for h in history):
         action, why = GenerationAction.STOP, f"the same {kind.words} came back at step {step}"

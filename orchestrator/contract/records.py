@@ -137,7 +137,10 @@ NODE_END = Schema(
 ERROR = Schema(
     "error record",
     {"exit_code": integer, "rank": nullable(count), "kind": name, "type": text(NAME_MAX), "message": text(MESSAGE_MAX),
-     "traceback": text(TRACEBACK_MAX), "step": nullable(count), "generation": count, "time": number, "where": text(NAME_MAX)},
+     "traceback": text(TRACEBACK_MAX), "step": nullable(count), "generation": count, "time": number, "where": text(NAME_MAX),
+     # a storage failure's (contract.storage.describe): a bad one is dropped, not the record
+     "storage_path": lenient(path_text), "storage_errno": lenient(name), "need_bytes": lenient(nullable(count)),
+     "free_bytes": lenient(nullable(count))},
     required=("exit_code",),
     cap=256 * 1024,  # a traceback of non-ASCII text, escaped: six bytes a character
 )

@@ -39,6 +39,7 @@ class LedgerCore:
         self.clock = clock
         self.strict = os.environ.get(envvars.STRICT_TRANSITIONS) == "1" if strict is None else strict
         self.shared, self.where = False, "memory"  # on a filesystem other hosts see (``dbfile.ledger_shared``)
+        self.path = ":memory:"  # the database file
         self._savepoints = 0
 
     # ------------------------------------------------------------ opening
@@ -49,7 +50,7 @@ class LedgerCore:
         ledger = cls(conn, clock)
         if pending(conn):
             migrate(ledger.db)
-        ledger.shared, ledger.where = shared, where
+        ledger.shared, ledger.where, ledger.path = shared, where, str(path)
         return ledger
 
     @classmethod

@@ -11,7 +11,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from orchestrator.contract import envvars
+from orchestrator.contract import envvars, storage
 from orchestrator.errors import UserError
 
 NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smbfs", "smb3", "beegfs", "ceph", "fuse.glusterfs", "glusterfs", "panfs", "fuse.sshfs", "wekafs"}
@@ -87,7 +87,28 @@ def connect(path: Path) -> tuple[sqlite3.Connection, bool, str]:
             conn.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
     except sqlite3.OperationalError as exc:  # the other mode, held by a process that has it open
         conn.close()
+        if storage_trouble(exc):
+            raise UserError(f"cannot open the ledger at '{path}': its filesystem is full or failing ({exc}); "
+                            "free space there and run the command again") from None
         mode = "a rollback journal (shared filesystem)" if shared else "WAL (one host)"
         raise UserError(f"cannot open the ledger at '{path}' in {mode} ({where}): {exc}; another process has it open "
                         f"in the other mode: stop it, or set {envvars.LEDGER_FS} alike for every process") from None
     return conn, shared, where
+
+
+SQLITE_FULL = 13  # "database or disk is full": the statement rolled back, nothing was written
+SQLITE_IOERR = 10
+
+
+def storage_trouble(exc: BaseException) -> str | None:
+    """What is wrong with the filesystem under ``exc`` (a full disk, a quota, a failing or
+    read-only one), in words; None for any other error."""
+    if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) is not None:
+        code = exc.sqlite_errorcode & 0xFF  # the primary code of an extended one
+        if code in (SQLITE_FULL, SQLITE_IOERR):
+            return f"the ledger's database could not be written ({exc})"
+    err = storage.storage_error(exc)
+    if err is not None:
+        return f"{storage.STORAGE_ERRNOS[err.errno]}{f' writing {err.filename}' if err.filename else ''}"
+    return None
+

@@ -24,6 +24,8 @@ NEEDS_ATTENTION_KINDS = frozenset({
     "refresh.failed",
     "hang.escalated",  # node agents that did not answer: stuck processes may hold nodes
     "recovery.hold_kept",  # the site refused to release SLURM's hold: the job waits its BeginTime
+    "recovery.wait_storage",  # a full or failing filesystem: someone must free space (it resumes by itself then)
+    "storage.watcher_write_failed",  # the watcher's own write into a run folder failed for want of space
 })
 # Not ledger.illegal_transition: a bug of ours (or a stale observation) that can repeat
 # every cycle; it is logged and in the events, and a message per cycle would be a flood.

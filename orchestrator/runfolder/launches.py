@@ -17,6 +17,7 @@ from orchestrator.runfolder.badrecords import Problem, Problems
 _ROOT_CAUSE_RANK = {
     contract.ExitCode.USER_ERROR: 0,
     contract.ExitCode.INTERNAL_ERROR: 0,
+    contract.ExitCode.STORAGE: 0,
     contract.ExitCode.OUT_OF_MEMORY: 1,
     contract.ExitCode.REQUEUE: 3,
     contract.ExitCode.CANCELLED: 4,

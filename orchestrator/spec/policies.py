@@ -219,7 +219,7 @@ class Notify(Strict):
         description="What is sent: `failed` (a task failed for good), `recovered` (a task runs again after a failed "
         "attempt, or its ranks restarted in place), `completed` (the experiment, once), `needs_attention` (what a "
         "person must act on: the scheduler not answering, the watcher failing on a task, agents not answering a hang, "
-        "the experiment ending FAILED).",
+        "a task waiting for space on a full disk, the experiment ending FAILED).",
     )
     email: str | None = Field(
         None,

@@ -40,6 +40,7 @@ _FAILURE_OF_EXIT = {
     ExitCode.OUT_OF_MEMORY: FailureKind.OOM,
     ExitCode.INTERNAL_ERROR: FailureKind.INTERNAL,
     ExitCode.CANCELLED: FailureKind.CANCELLED,
+    ExitCode.STORAGE: FailureKind.STORAGE,
 }
 _EXIT_REASON = {
     ExitCode.OK: "exit 0",
@@ -49,6 +50,7 @@ _EXIT_REASON = {
     ExitCode.REQUEUE: "saved and asked to be requeued",
     ExitCode.OUT_OF_MEMORY: "out of memory",
     ExitCode.INTERNAL_ERROR: "orchestrate's trainer failed (a bug in orchestrate, not in your code)",
+    ExitCode.STORAGE: "the run folder's filesystem is full or failing",
 }
 _REQUEUED_BY = {RequeueBy.SLURM: "SLURM", RequeueBy.AGENT: "the node agent", RequeueBy.WATCHER: "the watcher"}
 

@@ -10,10 +10,11 @@ import secrets
 from pathlib import Path
 
 from orchestrator.contract import RequeueBy, TaskConfig
+from orchestrator.contract.safe_read import cut
 from orchestrator.scheduler import JobRef, Observation
 from orchestrator.states import ActionState, AttemptState, TaskState
 from orchestrator.supervise import recovery
-from orchestrator.supervise import faults
+from orchestrator.supervise import faults, storage_wait
 from orchestrator.supervise.acting import Acting
 from orchestrator.supervise.exp_spec import with_spec_exclude
 from orchestrator.runfolder.launches import read_launches
@@ -39,6 +40,13 @@ def failed_attempt(act: Acting, exp: dict, task: dict, attempts: list[dict], cfg
         saved_for_watcher=launch is not None and (launch.requeue or {}).get("by") == RequeueBy.WATCHER,
     )
     if plan.kind == RecoveryKind.NONE:
+        return
+    if plan.kind not in (RecoveryKind.FAIL, RecoveryKind.WAIT_STORAGE) and storage_wait.disk_full(task["task_dir"]):
+        # no record said so (a rank or driver that could not write one): the next save would fail too
+        plan = recovery.Recovery(RecoveryKind.WAIT_STORAGE, f"the attempt ended ({cut(str(attempt.get('reason')), 200)}) "
+                                 "with the run folder's filesystem full", then=plan.kind)
+    if plan.kind == RecoveryKind.WAIT_STORAGE:
+        storage_wait.plan_wait(act, exp, task, attempt, plan.then, plan.cause, cfg.checkpoint.keep_last)
         return
     detail = {"exclude": list(plan.exclude), "delay_s": round(plan.delay_s, 1), "job_id": attempt["job_id"], "tag": f"r{secrets.token_hex(3)}"}
     if not act.ledger.plan_action(exp["id"], idx, attempt["number"], plan.kind.value, detail, plan.cause):
@@ -102,8 +110,8 @@ def record_done(act: Acting, exp: dict, idx: int, attempt: dict, detail: dict, d
 def finish_planned(act: Acting, exp: dict, task: dict, attempts: list[dict], observations: dict[str, Observation] | None) -> None:
     """Actions a watcher wrote down but did not finish (it was killed): finish them once."""
     for action in act.ledger.actions(exp["id"], task["idx"], state=ActionState.PLANNED):
-        if action["kind"] == RecoveryKind.SUBMIT:
-            continue  # a waiting task's submission: queue_room.submit_waiting finishes it
+        if action["kind"] in (RecoveryKind.SUBMIT, RecoveryKind.WAIT_STORAGE):
+            continue  # a waiting task's submission (queue_room.submit_waiting), a wait for space (resume_waiting)
         attempt = next(a for a in attempts if a["number"] == action["attempt"])
         detail, sched = action["detail"], act.scheduler(exp["executor"])
         cause = f"finishing a recovery a watcher left halfway: {action['kind']} of job {detail.get('job_id')}"
@@ -125,3 +133,15 @@ def finish_planned(act: Acting, exp: dict, task: dict, attempts: list[dict], obs
                 act.ledger.finish_action(exp["id"], task["idx"], attempt["number"], {"new_job_id": job}, cause + f": found job {job}")
                 continue
         carry_out(act, exp, task, attempt, action["kind"], detail, cause)
+
+
+def resume_waiting(act: Acting, exp: dict, task: dict, attempts: list[dict]) -> None:
+    """A task waiting for space goes on once the space is back: the wait becomes its recovery."""
+    ready = storage_wait.space_ready(act, exp, task, attempts[-1])
+    if ready is None:
+        return
+    then, detail, cause = ready
+    with act.ledger.tx():
+        act.ledger.replan_action(exp["id"], task["idx"], attempts[-1]["number"], then.value, detail, cause)
+        act.ledger.update_task(exp["id"], task["idx"], reason=None)  # no longer waiting
+    carry_out(act, exp, task, attempts[-1], then, detail, cause)

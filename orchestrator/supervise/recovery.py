@@ -114,11 +114,15 @@ class RecoveryKind(TextEnum):
     REQUEUE_SAVED = "requeue_saved"
     # not a recovery: a task that waited for room in SLURM's queue (site limits) goes out
     SUBMIT = "submit"
+    # a full or failing filesystem: nothing is retried until the space is back (storage_wait);
+    # then it becomes the recovery in its ``then`` (a requeue or a new job), which counts
+    WAIT_STORAGE = "wait_storage"
 
     @property
     def counts(self) -> bool:
         """Whether it uses up one of ``retry.max_recoveries``."""
-        return self not in (RecoveryKind.FAIL, RecoveryKind.REQUEUE_SAVED, RecoveryKind.NONE, RecoveryKind.SUBMIT)
+        return self not in (RecoveryKind.FAIL, RecoveryKind.REQUEUE_SAVED, RecoveryKind.NONE, RecoveryKind.SUBMIT,
+                            RecoveryKind.WAIT_STORAGE)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,20 @@ class Recovery:
     cause: str = ""
     exclude: tuple[str, ...] = ()
     delay_s: float = 0.0
+    then: RecoveryKind | None = None  # a wait's recovery, once what it waits for is there
+
+
+def space_back(free: int | None, need: int, probe) -> str | None:
+    """Whether a task waiting for space may go on: its folder has ``need`` bytes free (None:
+    the filesystem does not say) and ``probe()`` (a write, fsynced) reports no error. Returns
+    what was seen, or None to wait on. The probe runs only once the free space suffices."""
+    if free is not None and free < need:
+        return None
+    problem = probe()
+    if problem is not None:
+        return None
+    have = "free space not reported" if free is None else f"{free / 2**20:.1f} MiB free"
+    return f"{have}, the run needs about {need / 2**20:.1f} MiB, and a test write went through"
 
 
 def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry, action: dict | None, now: float) -> bool:
@@ -246,8 +264,13 @@ def plan_recovery(
         return Recovery(RecoveryKind.NONE)  # it completed, or ended in a way we do not recover
     if not state.ended or not failure.recoverable or state == AttemptState.REQUEUED:
         return Recovery(RecoveryKind.NONE)  # a REQUEUED attempt saved on the signal: the next launch comes by itself
-    limit = retry.max_recoveries
     what = f"{failure.words} ({attempt.get('reason') or state.value.lower()})"
+    if failure == FailureKind.STORAGE:
+        # not retried blindly, and no recovery used up: the watcher resumes it once space is back
+        then = RecoveryKind.RELEASE if pending_again else (
+            RecoveryKind.REQUEUE if caps.requeue_in_place else RecoveryKind.RESUBMIT)
+        return Recovery(RecoveryKind.WAIT_STORAGE, "a full or failing filesystem", then=then)
+    limit = retry.max_recoveries
     if recoveries >= limit:
         return Recovery(RecoveryKind.FAIL, f"{what}; gave up after {recoveries} recoveries (retry.max_recoveries: {limit})")
     exclude: set[str] = set(excluded_before)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator import contract
-from orchestrator.contract import TaskConfig, TaskConfigError
+from orchestrator.contract import TaskConfig, TaskConfigError, storage
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
 from orchestrator.ledger import Ledger
@@ -188,6 +188,7 @@ class Watcher:
         if task["state"] == TaskState.RECOVERING.value:
             recover.requeue_not_taken(self.act, exp, task, attempts, obs)
             recover.failed_attempt(self.act, exp, task, attempts, cfg, obs, node_states())
+            recover.resume_waiting(self.act, exp, task, attempts)
 
     def _queue(self, exp: dict, waiting: list[int], seen: Seen) -> None:
         """The tasks waiting for room in the queue, or the submissions a killed watcher left planned."""
@@ -204,7 +205,16 @@ class Watcher:
             self._task_failed(exp, {"idx": None}, exc)
 
     def _task_failed(self, exp: dict, task: dict, exc: Exception) -> None:
-        """An event of the task, once per distinct error (strict mode, the tests': raise)."""
+        """An event of the task, once per distinct error (strict mode, the tests': raise). A
+        write of ours that found no space is said as that (the next cycle tries again)."""
+        err = storage.storage_error(exc)
+        if err is not None:
+            cause = (f"the watcher could not write {err.filename or 'into the run folder'}: "
+                     f"{storage.STORAGE_ERRNOS[err.errno]}; nothing was half-written, it tries again each cycle")
+            if not self.ledger.has_event(exp["id"], "storage.watcher_write_failed", cause, idx=task["idx"]):
+                log.warning("%s task %s: %s", exp["id"], task["idx"], cause)
+                self.ledger.event(exp["id"], "storage.watcher_write_failed", cause, idx=task["idx"])
+            return
         if self.ledger.strict:
             raise exc
         cause = f"watcher failed on this task: {type(exc).__name__}: {cut(str(exc), 200)}; the other tasks go on"

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import cli, free_port, write
+from conftest import Hook, cli, free_port, write
 from orchestrator.errors import SpecError
 from orchestrator.ledger import Ledger
 from orchestrator.notify import outbox, triggers
@@ -26,50 +25,6 @@ from orchestrator.supervise.loop import watch
 from orchestrator.supervise.watcher import Watcher
 
 ALL = ["failed", "recovered", "completed", "needs_attention"]
-
-
-class Hook:
-    """A webhook: records each POST (path, headers, JSON body, the status it answered)."""
-
-    def __init__(self, port: int = 0):
-        self.requests: list[dict] = []
-        self.statuses: list[int] = []  # answered in turn; then 200
-        self.sleep_s = 0.0
-        self.location: str | None = None  # answer a redirect there
-        self.reason: str | None = None  # the reason phrase of a status other than 200 ({path} and {host}: the request's)
-        self.headers: dict[str, str] = {}  # sent with a status other than 200
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status = hook.statuses.pop(0) if hook.statuses else (302 if hook.location else 200)
-                hook.requests.append({"path": self.path, "type": self.headers.get("Content-Type"), "body": json.loads(body),
-                                      "status": status})
-                time.sleep(hook.sleep_s)
-                reason = hook.reason.format(path=self.path, host=self.headers.get("Host")) if hook.reason and status != 200 else None
-                self.send_response(status, reason)
-                if status == 302:
-                    self.send_header("Location", hook.location)
-                for name, value in (hook.headers.items() if status != 200 else ()):
-                    self.send_header(name, value)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/T0/B0/secret"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def delivered(self) -> list[dict]:
-        return [r["body"] for r in self.requests if r["status"] == 200]
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from orchestrator.contract import storage
 from train_entry.checkpoint.direct_io import DirectStream, HashedStream, fsync_file, open_stream
 
 
@@ -150,6 +151,17 @@ class HashingWriter(FileSystemWriter):
         self.written = Written()
         self.fs = _RecordingFileSystem(self.written, direct)
         self.asynchronous = asynchronous
+
+    def prepare_global_plan(self, plans):
+        """On the coordinator, before any rank writes: a save its filesystem has no room for
+        is refused whole (every rank gets the NeedsSpace), rather than filling the disk."""
+        plans = super().prepare_global_plan(plans)
+        need = sum(item.tensor_storage_size() or 0 for plan in plans for item in plan.items)
+        need += need // 100 + (1 << 20)  # each tensor's pickled header, the metadata
+        free = storage.free_bytes(self.path)
+        if free is not None and free < need:
+            raise storage.NeedsSpace(str(self.path), need, free)
+        return plans
 
     def write_data(self, plan, planner):
         # the switch is process-wide: only where training waits for the save anyway, never
