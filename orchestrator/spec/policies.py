@@ -149,7 +149,8 @@ class Retry(Strict):
         ge=0,
         le=DAY_S,
         strict=True,
-        description="Delay before a recovered task may start again; doubles with each recovery, with jitter.",
+        description="Delay before a task recovered a second time may start again (the first recovery starts at once); "
+        "doubles with each further recovery, with jitter.",
     )
     backoff_max_s: float = Field(600.0, ge=0, le=DAY_S, strict=True, description="Upper bound of that delay.")
     exclude_failed_nodes: bool = Field(True, description="Keep a recovered task off the nodes that failed under it.")

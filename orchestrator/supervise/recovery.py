@@ -277,7 +277,9 @@ def plan_recovery(
     if retry.exclude_failed_nodes:
         ran_on = {n for n in str(attempt.get("nodes") or "").split(",") if n}
         exclude |= (ran_on & unhealthy_nodes(node_states)) | set(unresponsive)
-    delay = backoff_s(recoveries + 1, retry.backoff_s, retry.backoff_max_s)
+    # the first recovery goes at once (a fault should cost seconds: the failed nodes are left
+    # out already); one that keeps failing waits backoff_s, then twice that, ...
+    delay = 0.0 if recoveries == 0 else backoff_s(recoveries, retry.backoff_s, retry.backoff_max_s)
     where = f", excluding {','.join(sorted(exclude))}" if exclude else ""
     n = f"recovery {recoveries + 1} of {limit}"
     nodes = tuple(sorted(exclude))

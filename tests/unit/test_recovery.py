@@ -80,11 +80,11 @@ def failed(failure, state="FAILED", nodes="n1,n2", reason="x"):
 def test_infrastructure_failures_are_recovered_with_backoff_and_failed_nodes_excluded():
     states = {"n1": "allocated", "n2": "down*", "n3": "idle", "n4": "drained"}
     r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 0, SLURM, False, states)
-    assert r.kind == RecoveryKind.REQUEUE and r.exclude == ("n2",) and 7.5 <= r.delay_s <= 12.5
-    assert "recovery 1 of 2" in r.cause and "excluding n2" in r.cause
-    # SLURM requeued it by itself: only hold it back and keep it off the node
+    assert r.kind == RecoveryKind.REQUEUE and r.exclude == ("n2",) and r.delay_s == 0  # the first goes at once
+    assert "recovery 1 of 2" in r.cause and "excluding n2" in r.cause and "starting in 0 s" in r.cause
+    # SLURM requeued it by itself: only hold it back and keep it off the node; a second recovery waits the backoff
     r = plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 1, SLURM, True, states, excluded_before=["n4"])
-    assert r.kind == "release" and r.exclude == ("n2", "n4") and r.delay_s > 15
+    assert r.kind == "release" and r.exclude == ("n2", "n4") and RETRY.backoff_s <= r.delay_s <= 1.25 * RETRY.backoff_s
     # the local executor has no queue to requeue into
     assert plan_recovery(failed("infrastructure"), RETRY, 0, LOCAL, False, {}).kind == "resubmit"
     # nodes the agents found unresponsive are excluded too; none when the policy says so
