@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,thousand,faults,hangs,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load]
+    python bench/run.py [--quick] [--only submission,thousand,faults,hangs,soak,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -30,6 +30,7 @@ BENCHES = {
     "faults": ("Recovery, hangs and preemption (local SLURM cluster)", ["--repeats", "3", "--hangs", "5"],
                ["--repeats", "1", "--hangs", "2"]),
     "hangs": ("Hang detection with learned timeouts (local SLURM cluster)", ["--stops", "3"], ["--stops", "1"]),
+    "soak": ("Goodput under a fault every 100 s (local SLURM cluster)", ["--steps", "360"], ["--steps", "50", "--every-s", "25"]),
     "consolidate": ("Consolidating sharded checkpoints into full weights", ["--model-gb", "1.0", "--repeats", "2"],
                     ["--model-gb", "0.1", "--repeats", "1"]),
     "checkpoint_save": ("Checkpoint save", ["--model-gb", "0.5", "--repeats", "5"], ["--model-gb", "0.05", "--repeats", "1"]),
