@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from orchestrator.backoff import backoff_s
 from orchestrator.contract import ExitCode, FailureKind, Phase, TextEnum
 from orchestrator.contract.generations import STOP_BARRIER_S
+from orchestrator.contract.storage import size_words
 from orchestrator.contract.taskconfig import Heartbeat, Retry
 from orchestrator.scheduler.base import Capabilities, Observation
 from orchestrator.states import ActionState, AttemptState
@@ -143,8 +144,8 @@ def space_back(free: int | None, need: int, probe) -> str | None:
     problem = probe()
     if problem is not None:
         return None
-    have = "free space not reported" if free is None else f"{free / 2**20:.1f} MiB free"
-    return f"{have}, the run needs about {need / 2**20:.1f} MiB, and a test write went through"
+    have = "free space not reported" if free is None else f"{size_words(free)} free"
+    return f"{have}, the run needs about {size_words(need)}, and a test write went through"
 
 
 def hold_to_release(attempt: dict, obs: Observation | None, retry: Retry, action: dict | None, now: float) -> bool:

@@ -15,7 +15,7 @@ import secrets
 from orchestrator import contract
 from orchestrator.contract import storage
 from orchestrator.contract.safe_read import cut
-from orchestrator.runfolder.launches import read_launches
+from orchestrator.runfolder.launches import read_launch
 from orchestrator.states import ActionState
 from orchestrator.supervise.acting import Acting
 from orchestrator.supervise.recovery import RecoveryKind, space_back
@@ -23,7 +23,7 @@ from orchestrator.supervise.recovery import RecoveryKind, space_back
 
 def storage_record(task_dir: str, launch_key: str | None) -> dict:
     """The storage fields of the launch's error records (the root cause's first), if any."""
-    launch = next((l for l in read_launches(task_dir) if l.key == launch_key), None)
+    launch = read_launch(contract.launch_dir(task_dir, launch_key), []) if launch_key else None  # that one alone
     errors = sorted(launch.errors if launch else [], key=lambda e: e.get("time", 0))
     found = [e for e in errors if e.get("storage_errno")]
     if not found:
