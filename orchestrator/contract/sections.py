@@ -153,7 +153,8 @@ class Retry:
     max_recoveries: int = 3
     # Requeues after preemption or time limit (each resumes from the last checkpoint).
     max_requeues: int = 100
-    # Delay before a recovered task may start again; doubles with each recovery, with jitter.
+    # Delay before a task recovered a second time may start again (the first recovery starts at
+    # once); doubles with each further recovery, with jitter.
     backoff_s: float = 30.0
     # Upper bound of that delay.
     backoff_max_s: float = 600.0
