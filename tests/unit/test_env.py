@@ -111,3 +111,16 @@ def test_the_requeue_decision_names_its_cause_in_a_field():
         "by": "agent", "cause": contract.RequeueCause.TIME_LIMIT.value, "reason": "time limit signal"}
     assert requeue_decision(ctx, task_config(retry={"max_requeues": 1}), scontrol("Unknown")) == {
         "by": None, "cause": contract.RequeueCause.TIME_LIMIT.value, "reason": "requeue limit reached (1)"}
+
+
+def test_the_requeue_command_outlives_the_sigterm_its_own_requeue_brings(tmp_path):
+    """SLURM signals the whole job as soon as the requeue takes effect, scontrol too:
+    shielded, a command that receives SIGTERM mid-way still finishes and says so."""
+    from train_entry.agent.requeue import shielded
+
+    # the child signals itself, as the job's teardown would, then reports
+    done = shielded(subprocess.run, ["sh", "-c", f"kill -TERM $$; echo finished > {tmp_path / 'out'}"])
+    assert done.returncode == 0 and (tmp_path / "out").read_text() == "finished\n"
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # the caller's mask is back
+    with pytest.raises(subprocess.CalledProcessError):  # a real failure still is one
+        shielded(subprocess.run, ["sh", "-c", "exit 3"])

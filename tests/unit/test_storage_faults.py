@@ -67,7 +67,8 @@ def test_a_rank_on_a_full_disk_exits_with_its_own_code_and_names_the_path(tmp_pa
     record = errors.error_record(exc, ExitCode.STORAGE, rank=1, step=30, generation=0)
     assert record["kind"] == "storage" and record["type"] == "NeedsSpace" and record["storage_errno"] == "ENOSPC"
     assert record["storage_path"] == str(tmp_path / "ck") and record["need_bytes"] == 6 << 20
-    assert record["free_bytes"] == storage.free_bytes(tmp_path)  # now, on the nearest existing folder
+    # now, on the nearest existing folder (a shared disk: other tests write meanwhile)
+    assert abs(record["free_bytes"] - storage.free_bytes(tmp_path)) < 256 << 20
     checked = contract.records.ERROR.check(record)
     assert checked["storage_path"] == record["storage_path"]
     # a damaged storage field drops that field, never the record
@@ -116,7 +117,7 @@ def test_the_probe_writes_fsyncs_and_leaves_nothing(tmp_path):
     (tree / "a" / "f").write_bytes(b"x" * 1000)
     (tree / "link").symlink_to("/etc/passwd")  # never followed
     assert storage.tree_bytes(tree) == 1000
-    assert storage.free_bytes(tmp_path / "not" / "yet") == storage.free_bytes(tmp_path)
+    assert abs(storage.free_bytes(tmp_path / "not" / "yet") - storage.free_bytes(tmp_path)) < 256 << 20
 
 
 @pytest.mark.parametrize("n, words", [(None, "an unknown size"), (512, "512 bytes"), (3 << 30, "3.0 GiB")])

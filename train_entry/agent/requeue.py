@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
         contract.atomic_write_json(record, {**decision, "time": time.time()})
         if decision["by"] == contract.RequeueBy.AGENT:
             try:  # ends this job at once (the ranks are done) and queues it again
-                run(["scontrol", "requeue", ctx.job_id], capture_output=True, text=True, timeout=60, check=True)
+                shielded(run, ["scontrol", "requeue", ctx.job_id])
             except (OSError, subprocess.SubprocessError) as exc:
                 print(f"orchestrate agent: scontrol requeue {ctx.job_id} failed: {exc}; the watcher requeues it", file=sys.stderr)
                 decision = {**decision, "by": contract.RequeueBy.WATCHER.value,
@@ -57,6 +58,21 @@ def requeue(ctx: NodeContext, cfg: contract.TaskConfig, ldir: Path, flags: Flags
         while time.time() < deadline and not flags.stopping():
             time.sleep(0.2)
     return ExitCode.REQUEUE
+
+
+def shielded(run, argv: list[str]):
+    """Runs ``argv`` with SIGTERM blocked, a mask the child keeps across exec.
+
+    The requeue takes effect at once: SLURM signals every process of the job, this
+    scontrol too, often before it has printed or exited, and a requeue that went
+    through then read as "scontrol died with SIGTERM". Blocked, it finishes and its exit
+    status tells the truth; this agent's own SIGTERM waits until the mask is restored.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return run(argv, capture_output=True, text=True, timeout=60, check=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def cancelled_while_saving(ctx: NodeContext, flags: Flags, run=subprocess.run) -> bool:
