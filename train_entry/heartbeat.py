@@ -34,6 +34,7 @@ class Heartbeat:
         self.phase: str | None = None
         self.steps_here = 0  # steps this process took (a restarted generation starts again from 0)
         self.steady_s: float | None = None  # reported only by a trainer that beats through its slow phases
+        self.save_s: float | None = None  # the longest save this process took
         self._lock = threading.Lock()  # a save's progress thread beats too (checkpoint.progress)
 
     def stepped(self, seconds: float, steady: bool = False) -> None:
@@ -44,6 +45,10 @@ class Heartbeat:
         self.steps_here += 1
         if steady and self.steps_here > WARMUP_STEPS:
             self.steady_s = max(self.steady_s or 0.0, seconds)
+
+    def save_took(self, seconds: float) -> None:
+        """A save took ``seconds``, start to commit: a stalled one's timeout is learned from it."""
+        self.save_s = max(self.save_s or 0.0, seconds)
 
     def beat(self, step: int, phase: str, force: bool = False) -> None:
         with self._lock:
@@ -70,6 +75,7 @@ class Heartbeat:
                 step_time_s=self.step_time_s,
                 generation=self.ctx.generation,
                 steady_s=self.steady_s,
+                save_s=self.save_s,
             ),
         )
 

@@ -273,6 +273,8 @@ class Loop:
             self.saved(self.ckpt.finish_pending(), "asynchronous")
 
     def saved(self, info: dict | None, why: str) -> None:
+        if info and info.get("total_s") is not None:
+            self.hb.save_took(info["total_s"])
         if info and info.get("folder"):
             self.auto.saved(info.get("blocked_s"))
             self.hb.event("checkpoint.committed", f"step {info['step']} saved ({why}): training blocked {info['blocked_s']:.2f} s, "

@@ -5,7 +5,7 @@ seconds on average, the interval that loses the least time is about sqrt(2 x C x
 shorter, saves cost more than they save; longer, each fault recomputes more. The watcher
 tells the ranks ``M`` (the fault-rate file, from the ledger); rank 0 measures ``C`` from its
 own saves. Between the user's bounds always; before any save has been measured, the lower
-bound (one early save tells what a save costs); with no fault seen anywhere, the upper.
+bound (one early save tells what a save costs); with no fault rate told yet, the upper.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def young_daly(save_cost_s: float | None, mtbf_s: float | None, lo_s: float, hi_
     if save_cost_s is None:
         return Interval(lo_s, f"no save measured yet: the lower bound, {span(lo_s)}, to learn what one costs")
     if not mtbf_s or not math.isfinite(mtbf_s) or mtbf_s <= 0:
-        return Interval(hi_s, f"no fault seen{f' ({source})' if source else ''}: the upper bound, {span(hi_s)}")
+        return Interval(hi_s, f"no fault rate known{f' ({source})' if source else ''}: the upper bound, {span(hi_s)}")
     raw = math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s)
     seconds = min(max(raw, lo_s), hi_s)
     return Interval(seconds, f"Young-Daly: sqrt(2 x {save_cost_s:.2f} s a save blocks x {span(mtbf_s)} between faults"

@@ -59,13 +59,15 @@ def heartbeat_record(
     pid: int | None = None,
     by: str | None = None,
     steady_s: float | None = None,
+    save_s: float | None = None,
 ) -> dict:
     """One rank's heartbeat. ``phase``: init, train, eval, saving, writing, requeue, done, failed, alive.
     The node agent writes one for a rank with ``by="agent"``, the rank's ``pid`` and no
     ``step`` (None: the rank reports none); a rank's own beats have no ``by``. ``steady_s``:
     the slowest step this process took past its first few (warm-up), None until then or
     for a trainer that does not beat through its slow phases (the watcher then keeps the
-    warm-up's longer hang timeout)."""
+    warm-up's longer hang timeout). ``save_s``: the longest save this process took, start to
+    commit (a stalled save's timeout is learned from it)."""
     record = {
         "v": CONTRACT_VERSION,
         "rank": rank,
@@ -82,6 +84,8 @@ def heartbeat_record(
     }
     if steady_s is not None:
         record["steady_s"] = steady_s
+    if save_s is not None:
+        record["save_s"] = save_s
     if by is not None:
         record["by"] = by
     return record
@@ -95,7 +99,7 @@ TRACEBACK_MAX = 16000
 HEARTBEAT = Schema(
     "heartbeat",
     {"rank": count, "generation": count, "node": name, "pid": count, "launch": name, "step": nullable(count), "phase": name,
-     "step_time_s": nullable(number), "steady_s": nullable(number), "time": number, "by": nullable(name)},
+     "step_time_s": nullable(number), "steady_s": nullable(number), "save_s": nullable(number), "time": number, "by": nullable(name)},
     required=("rank", "time"),
     defaults={"generation": 0},
 )
@@ -116,7 +120,7 @@ TRAINER_EVENT = Schema(
     defaults={"event": "trainer", "cause": ""},
 )
 # the watcher's fault rate for a task (layout.fault_rate_path): what ``every_steps: auto`` sizes
-# its interval by; ``mtbf_s`` null: no fault seen
+# its interval by; ``mtbf_s`` null: no rate known (an older watcher)
 FAULT_RATE = Schema(
     "fault rate",
     {"mtbf_s": nullable(number), "faults": count, "node_hours": number, "source": text(MESSAGE_MAX), "time": number},

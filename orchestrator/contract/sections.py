@@ -153,8 +153,9 @@ class Retry:
     max_recoveries: int = 3
     # Requeues after preemption or time limit (each resumes from the last checkpoint).
     max_requeues: int = 100
-    # Delay before a task recovered a second time may start again (the first recovery starts at
-    # once); doubles with each further recovery, with jitter.
+    # Delay before a task that failed again without committing a checkpoint since its last recovery
+    # may start again (a recovery after progress starts at once); doubles with each further such
+    # recovery, with jitter.
     backoff_s: float = 30.0
     # Upper bound of that delay.
     backoff_max_s: float = 600.0
@@ -177,8 +178,10 @@ class Retry:
 class Heartbeat:
     """The spec's `heartbeat`."""
 
-    # Seconds between heartbeats of each rank.
-    interval_s: float = 10.0
+    # Seconds between heartbeats of each rank (a hang is caught within its timeout plus this). Each
+    # beat rewrites one small file per rank: raise it where the run folder's metadata server minds
+    # thousands of ranks.
+    interval_s: float = 2.0
     # A training rank silent this long is hung; null: learned from step times: 5 x the slowest
     # steady step (at least 10 s) once a process is past its first 3 steps, where its loop beats
     # through saves and evaluations (the built-in loop does); otherwise 10 x the slowest step, at

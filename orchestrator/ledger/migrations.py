@@ -191,6 +191,13 @@ def _m007_steady_steps(db: sqlite_utils.Database) -> None:
     db["tasks"].add_column("fault_costs", str)
 
 
+def _m008_save_times(db: sqlite_utils.Database) -> None:
+    # the longest save a rank took: a save that stops advancing is hung after a few of them,
+    # not after the warm-up's minute
+    db["heartbeats"].add_column("save_s", float)
+    db["tasks"].add_column("save_time_max", float)  # the longest of them, over every rank and attempt
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
@@ -199,6 +206,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("005_event_data", _m005_event_data),
     ("006_notifications", _m006_notifications),
     ("007_steady_steps_fault_costs", _m007_steady_steps),
+    ("008_save_times", _m008_save_times),
 ]
 
 

@@ -149,8 +149,8 @@ class Retry(Strict):
         ge=0,
         le=DAY_S,
         strict=True,
-        description="Delay before a task recovered a second time may start again (the first recovery starts at once); "
-        "doubles with each further recovery, with jitter.",
+        description="Delay before a task that failed again without committing a checkpoint since its last recovery "
+        "may start again (a recovery after progress starts at once); doubles with each further such recovery, with jitter.",
     )
     backoff_max_s: float = Field(600.0, ge=0, le=DAY_S, strict=True, description="Upper bound of that delay.")
     exclude_failed_nodes: bool = Field(True, description="Keep a recovered task off the nodes that failed under it.")
@@ -169,7 +169,10 @@ class Retry(Strict):
 
 
 class Heartbeat(Strict):
-    interval_s: float = Field(10.0, gt=0, le=DAY_S, strict=True, description="Seconds between heartbeats of each rank.")
+    interval_s: float = Field(
+        2.0, gt=0, le=DAY_S, strict=True,
+        description="Seconds between heartbeats of each rank (a hang is caught within its timeout plus this). Each beat "
+        "rewrites one small file per rank: raise it where the run folder's metadata server minds thousands of ranks.")
     timeout_s: float | None = Field(
         None,
         gt=0,

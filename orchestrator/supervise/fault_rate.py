@@ -5,7 +5,10 @@ A fault here is one that loses the work since the last checkpoint: an in-place r
 an attempt that failed and was recovered. Preemptions and time limits save on the signal and
 lose nothing; the user's errors and cancellations are not recovered. The rate is per
 node-hour: of this experiment once it has seen a fault, else of the cluster's last 7 days
-(every experiment in this ledger), else none (the ranks then save at their upper bound).
+(every experiment in this ledger). With none seen anywhere, the node-hours so far count as
+the time to one fault, as if it came now: the interval starts short and grows as fault-free
+hours add up, never assuming faults away (a first fault at a 1-hour interval, before the
+watcher had seen one, cost the soak benchmark a hundred steps).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from orchestrator.supervise.acting import Acting
 
 HISTORY_S = 7 * 86400.0
 CLUSTER_TTL_S = 60.0  # the cluster's history is asked again at most this often
-EXPERIMENT_TTL_S = 5.0  # an experiment's attempts, once per cycle or so (not once per task of a sweep)
+EXPERIMENT_TTL_S = 5.0
+MIN_MTBF_S = 1.0  # a task that has only just started: the interval's lower bound  # an experiment's attempts, once per cycle or so (not once per task of a sweep)
 LOSES_NOTHING = {FailureKind.PREEMPTION.value, FailureKind.TIME_LIMIT.value, FailureKind.USER_ERROR.value,
                  FailureKind.CANCELLED.value, FailureKind.INTERNAL.value}
 
@@ -41,13 +45,15 @@ def count(attempts: list[dict], now: float) -> tuple[int, float]:
     return faults, node_s / 3600.0
 
 
-def mtbf(nodes: int, experiment: tuple[int, float], cluster: tuple[int, float]) -> tuple[float | None, int, float, str]:
-    """The task's mean time between faults, seconds (None: no fault seen), with the counts and
-    where they come from (pure)."""
+def mtbf(nodes: int, experiment: tuple[int, float], cluster: tuple[int, float]) -> tuple[float, int, float, str]:
+    """The task's mean time between faults, seconds, with the counts and where they come
+    from (pure)."""
     for (faults, hours), where in ((experiment, "this experiment"), (cluster, "the cluster's last 7 days")):
         if faults and hours > 0:
             return hours * 3600.0 / faults / nodes, faults, hours, f"{where}: {faults} fault(s) in {hours:.1f} node-hours"
-    return None, 0, experiment[1], "none in this experiment nor in the cluster's last 7 days"
+    hours = max(experiment[1], cluster[1])
+    return (max(hours * 3600.0 / nodes, MIN_MTBF_S), 0, hours,
+            f"none seen in {hours:.1f} node-hours (this experiment, the cluster's last 7 days): as if one came now")
 
 
 def tell(act: Acting, exp: dict, task: dict, attempts: list[dict], cfg: TaskConfig) -> None:

@@ -26,7 +26,7 @@ def check(act: Acting, exp: dict, task: dict, attempt: dict, cfg: TaskConfig, pa
     beats = act.ledger.heartbeats(exp["id"], task["idx"])
     note_timeout(act, exp, task, cfg)
     hang = recovery.find_hang(beats, attempt["launch"], cfg.heartbeat, task.get("step_time_max"), act.clock(),
-                              task.get("step_time_steady"))
+                              task.get("step_time_steady"), task.get("save_time_max"))
     if hang is None:
         return
     ldir = contract.launch_dir(task["task_dir"], attempt["launch"])

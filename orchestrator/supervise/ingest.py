@@ -22,7 +22,7 @@ from orchestrator.runfolder.badrecords import Problem, Problems
 from orchestrator.runfolder.launches import LaunchRecord
 
 
-_HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "steady_s", "time")
+_HEARTBEAT_FIELDS = ("node", "pid", "launch", "step", "phase", "step_time_s", "steady_s", "save_s", "time")
 _METRIC_FIELDS = ("loss", "lr", "throughput", "eval_loss", "time")
 BATCHES_PER_REFRESH = 16  # reads of one JSONL file per refresh (safe_read.READ_MAX each); the rest waits
 
@@ -53,6 +53,9 @@ def _progress_columns(beats: list[dict], metrics: list[dict], learned: dict) -> 
         steady = max((r["steady_s"] or 0 for r in beats), default=0)
         if steady > stored_number(learned.get("step_time_steady")):
             fields["step_time_steady"] = steady
+        save = max((r.get("save_s") or 0 for r in beats), default=0)
+        if save > stored_number(learned.get("save_time_max")):
+            fields["save_time_max"] = save
     if metrics:
         last = max(metrics, key=lambda r: r["step"])
         fields.update(loss=last["loss"], throughput=last["throughput"])

@@ -12,7 +12,7 @@ from pathlib import Path
 from orchestrator.contract import RequeueBy, TaskConfig
 from orchestrator.contract.safe_read import cut
 from orchestrator.scheduler import JobRef, Observation
-from orchestrator.states import ActionState, AttemptState, TaskState
+from orchestrator.states import ActionState, AttemptState, CheckpointState, TaskState
 from orchestrator.supervise import recovery
 from orchestrator.supervise import faults, storage_wait
 from orchestrator.supervise.acting import Acting
@@ -38,6 +38,7 @@ def failed_attempt(act: Acting, exp: dict, task: dict, attempts: list[dict], cfg
         attempt, cfg.retry, recoveries, caps, pending_again, node_states,
         launch.unresponsive if launch else [], excluded,
         saved_for_watcher=launch is not None and (launch.requeue or {}).get("by") == RequeueBy.WATCHER,
+        stalled=recovery.stalled_recoveries(actions, newest_commit_at(act, exp["id"], idx)),
     )
     if plan.kind == RecoveryKind.NONE:
         return
@@ -52,6 +53,13 @@ def failed_attempt(act: Acting, exp: dict, task: dict, attempts: list[dict], cfg
     if not act.ledger.plan_action(exp["id"], idx, attempt["number"], plan.kind.value, detail, plan.cause):
         return
     carry_out(act, exp, task, attempt, plan.kind, detail, plan.cause)
+
+
+def newest_commit_at(act: Acting, exp_id: str, idx: int) -> float | None:
+    """When the task's newest committed checkpoint was written (None: none yet)."""
+    times = [c["created_at"] for c in act.ledger.checkpoints(exp_id, idx)
+             if c.get("state") == CheckpointState.COMMITTED.value and isinstance(c.get("created_at"), (int, float))]
+    return max(times, default=None)
 
 
 def requeue_not_taken(act: Acting, exp: dict, task: dict, attempts: list[dict], obs: Observation | None) -> None:

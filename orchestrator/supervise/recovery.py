@@ -21,10 +21,13 @@ from orchestrator.states import ActionState, AttemptState
 # Learned hang timeouts (heartbeat.timeout_s unset). Two of them, because silence differs by
 # what a rank does. Steady training (a trainer that beats through its saves and evaluations,
 # past its first steps): a few times the slowest steady step seen, so that a hang costs
-# seconds; a slow node that doubles its step times stays far inside it. Anything else (the
-# first steps after a start, evaluations, saves that beat as they advance, a script's own
-# loop): ten times the slowest step, at least a minute, as before.
+# seconds; a slow node that doubles its step times stays far inside it. A steady rank's save
+# that beats as it advances: the same, or a few times the longest save seen if that is more
+# (a save stuck with the rank's peer stopped cost the soak a minute). Anything else (the
+# first steps after a start, evaluations, a process's first save, a script's own loop): ten
+# times the slowest step, at least a minute, as before.
 STEADY_TIMEOUT_FACTOR = 5.0
+SAVE_TIMEOUT_FACTOR = 3.0  # the longest save seen, start to commit: a save's silences are shorter
 STEADY_TIMEOUT_MIN_S = 10.0  # a garbage collection, a tracker's flush, a commit: never a hang
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
 LEARNED_TIMEOUT_MIN_S = 60.0
@@ -67,12 +70,21 @@ def steady_timeout(hb: Heartbeat, step_time_max: float | None, steady_s: float |
     return min(train_timeout(hb, step_time_max), max(STEADY_TIMEOUT_MIN_S, STEADY_TIMEOUT_FACTOR * steady_s))
 
 
+def writing_timeout(hb: Heartbeat, step_time_max: float | None, steady_s: float | None, save_s: float | None) -> float:
+    """A steady rank's save that beats as it advances: the steady timeout, or a few of the
+    longest saves seen if that is more; the warm-up's before a save was measured."""
+    if hb.timeout_s or not steady_s or not save_s:
+        return train_timeout(hb, step_time_max)
+    return min(train_timeout(hb, step_time_max),
+               max(steady_timeout(hb, step_time_max, steady_s), SAVE_TIMEOUT_FACTOR * save_s))
+
+
 def _finite(value) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
 
 def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max: float | None, now: float,
-              step_time_steady: float | None = None) -> Hang | None:
+              step_time_steady: float | None = None, save_time_max: float | None = None) -> Hang | None:
     """The rank of the launch's newest generation that has been silent longest past its
     timeout. Silence is allowed to last longer before the first step, in a process's first
     steps, while it evaluates and while a checkpoint is written; ranks that finished, failed
@@ -91,8 +103,11 @@ def find_hang(heartbeats: list[dict], launch: str, hb: Heartbeat, step_time_max:
         if (h.get("generation") or 0) != generation or h.get("phase") not in limits:
             continue
         limit = limits[h["phase"]]
-        if h["phase"] == Phase.TRAIN and _finite(h.get("steady_s")) and h["steady_s"] > 0:  # past its warm-up
-            limit = steady_timeout(hb, step_time_max, max(h["steady_s"], step_time_steady or 0.0))
+        steady = max(h["steady_s"], step_time_steady or 0.0) if _finite(h.get("steady_s")) and h["steady_s"] > 0 else None
+        if h["phase"] == Phase.TRAIN and steady:  # past its warm-up
+            limit = steady_timeout(hb, step_time_max, steady)
+        elif h["phase"] == Phase.WRITING and steady and _finite(h.get("save_s")) and h["save_s"] > 0:  # saved before
+            limit = writing_timeout(hb, step_time_max, steady, max(h["save_s"], save_time_max or 0.0))
         # heartbeats come at most every interval_s: silence counts from when the next was due
         limit += hb.interval_s
         age = now - h["time"]
@@ -133,6 +148,21 @@ class Recovery:
     exclude: tuple[str, ...] = ()
     delay_s: float = 0.0
     then: RecoveryKind | None = None  # a wait's recovery, once what it waits for is there
+
+
+def stalled_recoveries(actions: list[dict], newest_commit_at: float | None) -> int:
+    """How many of the task's counted recoveries were planned after its newest committed
+    checkpoint (``newest_commit_at``: its time; None: none yet) (pure). A task that saves
+    between faults is recovered at once every time; one that fails again before it saved
+    anything backs off."""
+    def counted(a: dict) -> bool:
+        try:
+            return RecoveryKind(a.get("kind")).counts
+        except ValueError:
+            return False
+    after = (lambda a: True) if newest_commit_at is None else (
+        lambda a: not _finite(a.get("created_at")) or a["created_at"] > newest_commit_at)
+    return sum(1 for a in actions if counted(a) and after(a))
 
 
 def space_back(free: int | None, need: int, probe) -> str | None:
@@ -249,13 +279,16 @@ def plan_recovery(
     unresponsive: list[str] = (),
     excluded_before: list[str] = (),
     saved_for_watcher: bool = False,
+    stalled: int | None = None,
 ) -> Recovery:
     """What to do about the task's latest attempt, ended as ``attempt`` says.
 
     ``recoveries``: how many times the task was already recovered. ``pending_again``:
     SLURM requeued the job by itself (node failure, preemption). ``node_states``: SLURM's
     word on every node, to keep the task off the ones that failed under it.
-    ``saved_for_watcher``: the ranks saved on the signal and the node left the requeue to us."""
+    ``saved_for_watcher``: the ranks saved on the signal and the node left the requeue to us.
+    ``stalled``: the recoveries since the task last committed a checkpoint (``stalled_recoveries``;
+    None: all of them), what the backoff counts."""
     state = AttemptState(attempt["state"])
     if state == AttemptState.REQUEUED and saved_for_watcher:
         return Recovery(RecoveryKind.REQUEUE_SAVED, f"{attempt.get('reason') or 'saved on the checkpoint signal'}: requeued under its id")
@@ -278,9 +311,11 @@ def plan_recovery(
     if retry.exclude_failed_nodes:
         ran_on = {n for n in str(attempt.get("nodes") or "").split(",") if n}
         exclude |= (ran_on & unhealthy_nodes(node_states)) | set(unresponsive)
-    # the first recovery goes at once (a fault should cost seconds: the failed nodes are left
-    # out already); one that keeps failing waits backoff_s, then twice that, ...
-    delay = 0.0 if recoveries == 0 else backoff_s(recoveries, retry.backoff_s, retry.backoff_max_s)
+    # a recovery after progress goes at once (a fault should cost seconds: the failed nodes are
+    # left out already); a task that fails again before it saved anything waits backoff_s, then
+    # twice that, ...
+    stalled = recoveries if stalled is None else min(stalled, recoveries)
+    delay = 0.0 if stalled == 0 else backoff_s(stalled, retry.backoff_s, retry.backoff_max_s)
     where = f", excluding {','.join(sorted(exclude))}" if exclude else ""
     n = f"recovery {recoveries + 1} of {limit}"
     nodes = tuple(sorted(exclude))

@@ -4,7 +4,6 @@ run continues one W&B run (offline) and writes its TensorBoard steps into one fo
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest

@@ -34,7 +34,7 @@ def test_young_daly_within_the_bounds_the_lower_before_a_save_is_measured_the_up
     first = young_daly(None, 7200.0, LO, HI)
     assert first.seconds == LO and "no save measured yet" in first.why
     none = young_daly(0.5, None, LO, HI, "none in this experiment nor in the cluster's last 7 days")
-    assert none.seconds == HI and none.why.startswith("no fault seen (none in this experiment")
+    assert none.seconds == HI and none.why.startswith("no fault rate known (none in this experiment")
     assert young_daly(0.5, float("inf"), LO, HI).seconds == HI and young_daly(0.5, -5.0, LO, HI).seconds == HI
 
 
@@ -94,7 +94,13 @@ def test_faults_that_lose_work_per_node_hour_from_the_experiment_else_the_cluste
     seconds, faults, hours, source = fault_rate.mtbf(2, (3, 5.0), (0, 0.0))
     assert seconds == pytest.approx(5.0 * 3600 / 3 / 2) and source == "this experiment: 3 fault(s) in 5.0 node-hours"
     assert fault_rate.mtbf(1, (0, 5.0), (4, 100.0))[3] == "the cluster's last 7 days: 4 fault(s) in 100.0 node-hours"
-    assert fault_rate.mtbf(1, (0, 5.0), (0, 100.0))[0] is None
+    # none seen anywhere: the node-hours so far are the time to one fault, the more of the two
+    seconds, faults, hours, source = fault_rate.mtbf(2, (0, 5.0), (0, 100.0))
+    assert (seconds, faults, hours) == (100.0 * 3600 / 2, 0, 100.0) and source.startswith("none seen in 100.0 node-hours")
+    assert fault_rate.mtbf(2, (0, 0.0), (0, 0.0))[0] == fault_rate.MIN_MTBF_S  # just started: save often
+    # so the interval starts short and grows with fault-free hours
+    early, later = (young_daly(0.5, fault_rate.mtbf(1, (0, h), (0, h))[0], LO, HI).seconds for h in (0.01, 2.0))
+    assert early == LO and later == pytest.approx(math.sqrt(2 * 0.5 * 7200)) and later > early
 
 
 def test_the_watcher_tells_the_ranks_once_per_change(tmp_path):
@@ -109,8 +115,8 @@ def test_the_watcher_tells_the_ranks_once_per_change(tmp_path):
     task = {"idx": 0, "task_dir": str(tdir)}
     running = [attempt(6400.0, None, nodes="n1", state="RUNNING")]
     fault_rate.tell(act, {"id": "e1"}, task, running, cfg)
-    told = contract.read_json(contract.fault_rate_path(tdir))  # no fault anywhere yet: said once, as none
-    assert told["mtbf_s"] is None and told["source"] == "none in this experiment nor in the cluster's last 7 days"
+    told = contract.read_json(contract.fault_rate_path(tdir))  # no fault nor hours anywhere yet: as if one came now
+    assert told["mtbf_s"] == fault_rate.MIN_MTBF_S and told["source"].startswith("none seen in 0.0 node-hours")
     ledger.add_attempt("e1", 0, "7", "submitted")
     ledger.db["attempts"].update(("e1", 0, 1), {"started_at": 6400.0, "nodes": "n1", "restarts": 1, "state": "RUNNING"})
     now[0] += 10

@@ -8,7 +8,6 @@ import errno
 import hashlib
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest

@@ -16,8 +16,9 @@ CFG = HbConfig(interval_s=1.0)  # timeout_s unset: learned
 ROW = {"rank": 1, "node": "n2", "launch": "7.0", "generation": 0, "step": 300, "time": 1000.0, "phase": "train"}
 
 
-def hang_at(silence: float, row: dict, cfg: HbConfig = CFG, step_time_max: float | None = 2.5, steady: float | None = None):
-    return recovery.find_hang([row], "7.0", cfg, step_time_max, row["time"] + silence, steady)
+def hang_at(silence: float, row: dict, cfg: HbConfig = CFG, step_time_max: float | None = 2.5, steady: float | None = None,
+            save: float | None = None):
+    return recovery.find_hang([row], "7.0", cfg, step_time_max, row["time"] + silence, steady, save)
 
 
 def test_a_steady_rank_is_hung_after_a_few_of_its_slowest_steps_not_a_minute():
@@ -51,7 +52,7 @@ def test_floors_caps_and_the_slowest_of_the_task():
 
 
 def test_evaluations_saves_and_agent_beats_keep_the_warm_up_timeout():
-    for phase in ("eval", "writing", "alive"):
+    for phase in ("eval", "writing", "alive"):  # (writing: before the process's first save)
         row = {**ROW, "phase": phase, "steady_s": 2.2}
         assert hang_at(30.0, row) is None, phase
         assert hang_at(61.5, row) is not None, phase
@@ -59,6 +60,24 @@ def test_evaluations_saves_and_agent_beats_keep_the_warm_up_timeout():
     assert hang_at(float("nan"), {**ROW, "steady_s": float("nan")}) is None
     damaged = {**ROW, "steady_s": "2.2"}  # a damaged row: the warm-up's timeout, never a crash
     assert hang_at(30.0, damaged) is None and hang_at(61.5, damaged) is not None
+
+
+def test_a_steady_ranks_save_that_stops_advancing_is_hung_after_a_few_of_its_saves():
+    # the soak: a rank stopped while its peer was saving; the peer, stuck in the save's
+    # collective, stopped beating too, and waited out the warm-up's minute
+    writing = {**ROW, "phase": "writing", "steady_s": 2.2, "save_s": 1.5}
+    limit = 5 * 2.2 + CFG.interval_s  # the steady timeout: more than 3 x 1.5 s
+    assert hang_at(limit - 0.5, writing) is None and hang_at(limit + 0.5, writing).timeout_s == limit
+    # a slow save seen (here or on another rank, earlier): 3 x its length
+    assert hang_at(40.0, writing, save=15.0) is None and hang_at(46.5, writing, save=15.0) is not None
+    slow = {**writing, "save_s": 15.0}
+    assert hang_at(40.0, slow) is None and hang_at(46.5, slow) is not None
+    # never past the warm-up's; none learned before the process saved once or stepped steadily
+    assert recovery.writing_timeout(CFG, 2.5, 2.2, 100.0) == 60.0
+    for row in ({**writing, "save_s": None}, {**writing, "steady_s": None}, {**writing, "save_s": "1.5"}):
+        assert hang_at(30.0, row) is None and hang_at(61.5, row) is not None, row
+    # a configured timeout is the user's
+    assert hang_at(200.0, writing, cfg=HbConfig(interval_s=1.0, timeout_s=300.0)) is None
 
 
 def test_a_rank_reports_steady_steps_only_past_its_warm_up_and_only_if_it_beats_through_slow_phases(tmp_path):
@@ -72,7 +91,11 @@ def test_a_rank_reports_steady_steps_only_past_its_warm_up_and_only_if_it_beats_
         hb.stepped(s, steady=True)
     hb.beat(6, contract.Phase.TRAIN)
     rec = contract.read_json(contract.heartbeat_path(tmp_path, 0))
-    assert rec["steady_s"] == 2.5 and rec["step_time_s"] == 2.1
+    assert rec["steady_s"] == 2.5 and rec["step_time_s"] == 2.1 and "save_s" not in rec
+    hb.save_took(1.5)
+    hb.save_took(0.7)
+    hb.beat(6, contract.Phase.WRITING)
+    assert contract.read_json(contract.heartbeat_path(tmp_path, 0))["save_s"] == 1.5  # the longest
     script = Heartbeat(tmp_path / "other", ctx, interval_s=0.0)
     for _ in range(10):
         script.stepped(2.0)  # a script's own loop (train_entry.client): may be silent through its evaluations
@@ -89,13 +112,13 @@ def _ledger_with_task(tmp_path) -> Ledger:
 def test_ingest_keeps_the_slowest_steady_step_and_status_shows_the_timeout_in_effect(tmp_path):
     ledger = _ledger_with_task(tmp_path)
     tdir = tmp_path / "t0"
-    for rank, steady in ((0, 2.0), (1, 2.4)):
+    for rank, steady, save in ((0, 2.0, 3.5), (1, 2.4, None)):
         contract.atomic_write_json(contract.heartbeat_path(tdir, rank), contract.heartbeat_record(
             rank=rank, local_rank=rank, world_size=2, node="n1", launch="7.0", step=40, phase="train", step_time_s=1.9,
-            steady_s=steady))
+            steady_s=steady, save_s=save))
     ingest.ingest_progress(ledger, "e1", 0, tdir)
     task = ledger.task("e1", 0)
-    assert task["step_time_steady"] == 2.4 and task["step_time_max"] == 1.9
+    assert task["step_time_steady"] == 2.4 and task["step_time_max"] == 1.9 and task["save_time_max"] == 3.5
 
     class Act:
         def __init__(self):

@@ -9,7 +9,7 @@ from orchestrator.ledger import Ledger
 from orchestrator.scheduler.local import LocalScheduler
 from orchestrator.scheduler.slurm import SlurmScheduler
 from orchestrator.supervise import recovery
-from orchestrator.supervise.recovery import RecoveryKind, find_hang, plan_recovery
+from orchestrator.supervise.recovery import RecoveryKind, find_hang, plan_recovery, stalled_recoveries
 
 HB = Heartbeat(interval_s=1.0, timeout_s=None, startup_timeout_s=300.0, save_timeout_s=600.0)
 SLURM, LOCAL = SlurmScheduler.capabilities, LocalScheduler.capabilities
@@ -108,6 +108,22 @@ def test_a_save_whose_node_could_not_requeue_is_requeued_at_once_and_uses_up_no_
     assert not RecoveryKind.REQUEUE_SAVED.counts and not RecoveryKind.FAIL.counts and RecoveryKind.REQUEUE.counts
     # a failure is never taken for a save, whatever the record says
     assert plan_recovery(failed("node_failure", "NODE_FAIL"), RETRY, 0, SLURM, False, {}, saved_for_watcher=True).kind == "requeue"
+
+
+def test_a_task_that_saves_between_faults_is_recovered_at_once_and_one_that_does_not_backs_off():
+    actions = [{"kind": "requeue", "created_at": 100.0}, {"kind": "release", "created_at": 200.0},
+               {"kind": "requeue_saved", "created_at": 250.0}, {"kind": "wait_storage", "created_at": 260.0},
+               {"kind": "bogus", "created_at": 270.0}, {"kind": "resubmit", "created_at": "damaged"}]
+    assert stalled_recoveries(actions, None) == 3  # nothing committed yet: every counted recovery
+    assert stalled_recoveries(actions, 150.0) == 2  # the release, and the one with no readable time
+    assert stalled_recoveries(actions[:2], 300.0) == 0  # a checkpoint since the last recovery: progress
+    # the fifth recovery, after a commit: at once; the same without a commit since the last: the backoff, doubled
+    r = plan_recovery(failed("node_failure", "NODE_FAIL"), dataclasses.replace(RETRY, max_recoveries=9), 4, SLURM, False, {}, stalled=0)
+    assert r.delay_s == 0 and "recovery 5 of 9" in r.cause and "starting in 0 s" in r.cause
+    r = plan_recovery(failed("node_failure", "NODE_FAIL"), dataclasses.replace(RETRY, max_recoveries=9), 4, SLURM, False, {}, stalled=2)
+    assert 2 * RETRY.backoff_s <= r.delay_s <= 2.5 * RETRY.backoff_s
+    # the limit counts every recovery, progress or not
+    assert plan_recovery(failed("hang"), RETRY, 2, SLURM, False, {}, stalled=0).kind == "fail"
 
 
 def test_backoff_grows_and_is_capped():

@@ -11,7 +11,6 @@ started from nothing, as they wrote it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
