@@ -155,6 +155,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A torch.distributed group of this process alone (gloo), for collective code in one test."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

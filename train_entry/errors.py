@@ -33,6 +33,11 @@ class UserCodeError(Exception):
     or the data cannot be read."""
 
 
+class SnapshotRejected(RuntimeError):
+    """A snapshot in the node's memory loaded but failed its check: removed, and the
+    generation restarts in place from storage (an infrastructure error, not the user's)."""
+
+
 def call_users(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Call the user's ``fn``; what it raises is marked as the user's."""
     try:
@@ -69,6 +74,8 @@ def classify(exc: BaseException) -> ExitCode:
         return ExitCode.CANCELLED
     if isinstance(exc, UserCodeError):
         return ExitCode.USER_ERROR
+    if isinstance(exc, SnapshotRejected):
+        return ExitCode.INFRA_ERROR
     if storage.storage_error(exc) is not None:  # wherever raised: a full disk is no one's bug
         return ExitCode.STORAGE
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):

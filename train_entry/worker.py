@@ -84,16 +84,20 @@ class StopRequested(Exception):
 
 
 def build(session: RankSession, device):
-    """Checkpointer, workload, engine and the step to start from (the newest good checkpoint's)."""
+    """Checkpointer, snapshots, workload, engine and the step to start from (the newest good
+    checkpoint's, or a newer snapshot's)."""
     import torch
 
     from train_entry.checkpoint.checkpointer import Checkpointer
+    from train_entry.checkpoint.snapshot import Snapshots
     from train_entry.engines import build_engine
     from train_entry.models import build_workload
 
     cfg, ctx = session.cfg, session.ctx
     ckpt = Checkpointer(cfg, ctx.rank, ctx.world_size)
-    resume = ckpt.find_resume()
+    durable = ckpt.find_resume()
+    snaps = Snapshots(cfg, ctx.rank, ctx.world_size, ctx.launch, session.hb)
+    resume = snaps.choose(durable)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     if cfg.model["kind"] == "hf":
         from train_entry import hf
@@ -106,6 +110,8 @@ def build(session: RankSession, device):
         workload = build_workload(cfg.model, cfg.data)
         engine = build_engine(cfg, workload.model, device, resume, trainable_only=workload.trainable_only)
     ckpt.engine = engine
+    if snaps.ckpt is not None:
+        snaps.ckpt.engine = engine
     if workload.export is not None:
         ckpt.extras[contract.HF_EXPORT] = workload.export
     torch.manual_seed(cfg.seed * 7919 + ctx.rank)  # per-rank dropout streams
@@ -115,10 +121,11 @@ def build(session: RankSession, device):
         settle(engine, workload, session, device)
         ckpt.load(resume)
         resume.startup_s, resume.load_s = t0 - STARTED, time.time() - t0
-        step = ckpt.committed_step = resume.step
+        step = resume.step
+        ckpt.committed_step = durable.step if durable.folder is not None else None  # in storage
         faults.reinit_after_load(engine.model)  # tests: a loader that re-creates a layer
     resume.report(session.hb)
-    return ckpt, workload, engine, step, resume
+    return ckpt, snaps, workload, engine, step, resume
 
 
 def settle(engine, workload, session: RankSession, device) -> None:
@@ -144,7 +151,7 @@ class Loop:
         from train_entry.data import Sampler
 
         self.session, self.hb, self.cfg, self.device = session, session.hb, session.cfg, device
-        self.ckpt, self.workload, self.engine, self.step, resume = build(session, device)
+        self.ckpt, self.snaps, self.workload, self.engine, self.step, resume = build(session, device)
         ctx, batch = session.ctx, self.cfg.batch
         self.accum = batch.grad_accum
         self.sampler = Sampler(len(self.workload.dataset), self.cfg.seed, batch.micro_batch_size, self.accum, ctx.world_size, ctx.rank)
@@ -155,9 +162,15 @@ class Loop:
         self.last_loss: float | None = None
         self.step_losses: list = []  # the micro-batch losses of the last step (a save records their mean)
         if resume.folder is not None:  # before the first step: the loaded state is the one committed
+            from train_entry.checkpoint.fingerprint import ResumeMismatch
             from train_entry.checkpoint.resume_check import verify
 
-            verify(resume.folder, self.engine, self.workload.dataset, self.workload.loss, self.hb, self.cfg)
+            try:
+                verify(resume.folder, self.engine, self.workload.dataset, self.workload.loss, self.hb, self.cfg)
+            except ResumeMismatch as exc:
+                if not resume.snapshot:
+                    raise
+                self.snaps.reject(resume, exc)
         self.window_t0, self.window_steps = time.perf_counter(), 0
         self.eval_s = 0.0  # evaluating since the last metrics line
 
@@ -182,6 +195,8 @@ class Loop:
                 raise StopRequested(self.step)
             if due is Due.SCHEDULED:
                 self.save("scheduled")
+            elif self.snaps.due(self.step) and self.step < total:
+                self.save("a snapshot in memory", final=True, snapshot=True)
             if self.step < total:  # posted after the save, so a timed save is not asked for twice
                 now = time.time()
                 self.agree.post(self.session.signal.raised,
@@ -191,6 +206,7 @@ class Loop:
         if self.policy.final_save(self.step, ckpt.committed_step):
             self.save("the final step, for consolidation", final=True)  # what the job's consolidation step writes out
         ckpt.close()
+        self.snaps.close()
         self.session.finish(self.step)
         return self.last_loss
 
@@ -242,11 +258,13 @@ class Loop:
                            eval_loss=eval_loss, eval_s=self.eval_s)
             self.window_t0, self.window_steps, self.eval_s = now, 0, 0.0
 
-    def save(self, why: str, final: bool = False) -> None:
+    def save(self, why: str, final: bool = False, snapshot: bool = False) -> None:
+        """Collective. ``snapshot``: into the node's memory (``self.snaps``), not storage."""
         from train_entry.checkpoint import resume_check
         from train_entry.checkpoint.progress import SaveProgress
 
-        folder = contract.checkpoints_dir(self.session.task_dir)
+        ckpt = self.snaps.ckpt if snapshot else self.ckpt
+        folder = contract.checkpoints_dir(ckpt.task_dir)
         with SaveProgress(self.hb, self.step, folder, self.cfg.heartbeat.interval_s) as progress:
             w = self.workload
             # what the resume check compares: the step's loss, and the next step's first micro-batch's
@@ -255,12 +273,15 @@ class Loop:
             if self.step_losses:
                 meta["loss"] = resume_check.step_loss(self.step_losses)
             progress.advance()
-            self.ckpt.on_progress = progress.advance
+            ckpt.on_progress = progress.advance
             try:
-                info = self.ckpt.save(self.step, meta, final=final)
+                info = ckpt.save(self.step, meta, final=final)
             finally:
-                self.ckpt.on_progress = None
-        self.saved(info, why)
+                ckpt.on_progress = None
+        if snapshot:
+            self.snaps.taken_one(info)
+        else:
+            self.saved(info, why)
 
     def finish_pending(self) -> None:
         """The last asynchronous save's write waited for: a save's phase, beating as it

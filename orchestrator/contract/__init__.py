@@ -89,6 +89,7 @@ from .layout import (
     weights_tmp_dir,
 )
 from .records import CONTRACT_VERSION, Phase, RequeueBy, heartbeat_record
+from .snapshots import discard_snapshots, private_snapshot_root, snapshot_root
 
 # The task configuration's thirty dataclasses cost ~10 ms to build; read-only commands
 # (status, events) never touch them, so they are imported on first use.
@@ -151,6 +152,7 @@ __all__ = [
     "deletion_problem",
     "derive_port",
     "discard_checkpoint",
+    "discard_snapshots",
     "remove_trash",
     "dump_signal",
     "envvars",
@@ -178,7 +180,9 @@ __all__ = [
     "read_json",
     "read_manifest",
     "read_jsonl_from",
+    "private_snapshot_root",
     "remove_leftovers",
+    "snapshot_root",
     "requeue_path",
     "stacks_dir",
     "stacks_path",

@@ -5,6 +5,7 @@ LEDGER_FS = "ORCHESTRATE_LEDGER_FS"  # network|local: where the ledger is, when 
 SITE = "ORCHESTRATE_SITE"  # the site's defaults file (login side); empty: none
 TEMPLATES = "ORCHESTRATE_TEMPLATES"  # a folder of the user's own sbatch fragments
 RUN_DIR = "ORCHESTRATE_RUN_DIR"  # exported by the batch script's common fragment
+SNAPSHOT_DIR = "ORCHESTRATE_SNAPSHOT_DIR"  # node-local memory for checkpoint.snapshot_every_steps (default /dev/shm)
 
 # set by the node agent for every rank it starts
 TASK_DIR = "ORCHESTRATE_TASK_DIR"

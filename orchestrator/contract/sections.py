@@ -113,6 +113,13 @@ class Checkpoint:
     # the integrations (train_entry.client, HF Trainer, Accelerate); a `command` without one ignores
     # it.
     keep_last: int = 2
+    # Also keep a snapshot of the state every N steps in the node's memory (/dev/shm; the newest
+    # only, written and verified as a checkpoint is): a restart in place resumes from it when it is
+    # newer than the last committed checkpoint and verifies, from storage otherwise. Requeues always
+    # resume from storage. For tasks on one node (every rank sees the same memory); worth it where a
+    # save to storage costs far more than one to memory. Built-in trainer only; a `script` or
+    # `command` model ignores it.
+    snapshot_every_steps: int | None = None
     # Write DCP checkpoints (ddp, fsdp) in a background thread; training waits only for the copy.
     # Built-in trainer only; a `script` or `command` model ignores it.
     async_save: bool = False

@@ -101,14 +101,7 @@ class Spec(Strict):
                     f"{MAX_GLOBAL_BATCH}",
                 )
         self._workload_pairs()
-        if self.checkpoint.signal_before_s >= self.resources.time_seconds:
-            raise FieldError(
-                ("checkpoint", "signal_before_s"),
-                f"{self.checkpoint.signal_before_s} s before the time limit ({self.resources.time}) is before the task "
-                "starts: every run would be stopped at once; lower it or raise resources.time",
-            )
-        if self.checkpoint.async_save and self.engine.kind == "deepspeed":
-            raise FieldError(("checkpoint", "async_save"), "DeepSpeed saves synchronously; async_save is for ddp and fsdp (DCP)")
+        self._checkpoint_pairs()
         if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:
             raise FieldError(
                 ("engine", "precision"),
@@ -124,6 +117,19 @@ class Spec(Strict):
                 "hybrid shards within a node and replicates across nodes; with resources.nodes: 1 use `full`",
             )
         return self
+
+    def _checkpoint_pairs(self) -> None:
+        if self.checkpoint.signal_before_s >= self.resources.time_seconds:
+            raise FieldError(
+                ("checkpoint", "signal_before_s"),
+                f"{self.checkpoint.signal_before_s} s before the time limit ({self.resources.time}) is before the task "
+                "starts: every run would be stopped at once; lower it or raise resources.time",
+            )
+        if self.checkpoint.async_save and self.engine.kind == "deepspeed":
+            raise FieldError(("checkpoint", "async_save"), "DeepSpeed saves synchronously; async_save is for ddp and fsdp (DCP)")
+        if self.checkpoint.snapshot_every_steps is not None and self.resources.nodes > 1:
+            raise FieldError(("checkpoint", "snapshot_every_steps"), f"a snapshot in a node's memory is seen by that node's "
+                             f"ranks only, and this task has {self.resources.nodes} nodes: leave it out, or use resources.nodes: 1")
 
     def _workload_pairs(self) -> None:
         m, d = self.model.kind, self.data.kind

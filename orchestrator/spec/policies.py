@@ -70,6 +70,13 @@ class Checkpoint(Strict):
     keep_last: Annotated[int, WITH_INTEGRATION] = Field(
         2, ge=2, le=MAX_RETRIES, strict=True, description="Committed checkpoints kept; at least 2, since the newest may be damaged."
     )
+    snapshot_every_steps: Annotated[int | None, TRAINER_ONLY] = Field(
+        None, ge=1, le=MAX_STEPS, strict=True,
+        description="Also keep a snapshot of the state every N steps in the node's memory (/dev/shm; the newest only, "
+        "written and verified as a checkpoint is): a restart in place resumes from it when it is newer than the last "
+        "committed checkpoint and verifies, from storage otherwise. Requeues always resume from storage. For tasks on "
+        "one node (every rank sees the same memory); worth it where a save to storage costs far more than one to memory.",
+    )
     async_save: Annotated[bool, TRAINER_ONLY] = Field(
         False, description="Write DCP checkpoints (ddp, fsdp) in a background thread; training waits only for the copy."
     )

@@ -14,21 +14,7 @@ import pytest
 import torch
 
 from orchestrator import contract
-from conftest import free_port
 from train_entry.checkpoint import direct_io, writer
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _cfg(task_dir: Path, asynchronous: bool = False, direct_io: bool = True, keep_last: int = 2) -> contract.TaskConfig:

@@ -247,6 +247,8 @@ def test_cli_names_set_without_a_traceback(tmp_path, home):
         ("sweep: {max_parallel: 100000}", "sweep.max_parallel", "less than or equal to 10000"),
         ("sweep: {max_parallel: true}", "sweep.max_parallel", "valid integer"),
         ("resources: {time: '00:01:00'}", "checkpoint.signal_before_s", "before the task starts"),
+        ("checkpoint: {snapshot_every_steps: 5}\nresources: {nodes: 2}", "checkpoint.snapshot_every_steps", "has 2 nodes"),
+        ("checkpoint: {snapshot_every_steps: 0}", "checkpoint.snapshot_every_steps", "greater than or equal to 1"),
     ],
 )
 def test_numbers_out_of_range_name_the_field(tmp_path, text, path, words):

@@ -76,6 +76,8 @@ def _generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: P
     finally:
         if standbys is not None:
             standbys.close()
+        if cfg.checkpoint.snapshot_every_steps:  # the ranks are gone: their snapshots free the node's memory
+            contract.discard_snapshots(tdir, launch, {**os.environ, **cfg.env})
 
 
 def _run_generations(cfg: contract.TaskConfig, ctx: NodeContext, tdir: Path, ldir: Path, launch: str, flags: Flags,

@@ -11,7 +11,8 @@
 - ``resume``: the newest committed checkpoint that verifies; ``safeload``: every pickle
   read with allow-lists, never run;
 - ``fingerprint`` and ``resume_check``: the loaded state proved to be the one committed;
-- ``progress``: a blocking save beats while it advances.
+- ``progress``: a blocking save beats while it advances;
+- ``snapshot``: the same saves, every few steps, into the node's memory, for restarts in place.
 
 Nothing is imported here: a caller names the module it uses, so that reading one part
 (``safeload`` for ``orchestrate ckpt``, ``direct_io`` for the consolidation) never loads

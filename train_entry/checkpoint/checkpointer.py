@@ -29,9 +29,11 @@ from train_entry.checkpoint.rotation import Rotation
 
 
 class Checkpointer:
-    def __init__(self, cfg: contract.TaskConfig, rank: int, world: int, engine=None):
+    def __init__(self, cfg: contract.TaskConfig, rank: int, world: int, engine=None, root: Path | None = None):
+        """``root``: the folder whose ``checkpoints/`` this writes, when not the task's (the
+        snapshots in the node's memory: ``snapshot``); it keeps the newest only."""
         self.cfg = cfg.checkpoint
-        self.task_dir = cfg.dir
+        self.task_dir = cfg.dir if root is None else root
         self.rank, self.world = rank, world
         self.engine = engine
         self.engine_kind = cfg.engine["kind"]
@@ -40,7 +42,8 @@ class Checkpointer:
         self.committed_step: int | None = None  # the newest step this run committed (or resumed from)
         self.extras: dict[str, dict] = {}  # JSON files rank 0 adds to every checkpoint (hf.json)
         self.on_progress: Callable[[], None] | None = None  # a stage of a save passed (progress)
-        self.rotation = Rotation(cfg.dir, cfg.checkpoint.keep_last)
+        self.rotation = Rotation(self.task_dir, cfg.checkpoint.keep_last if root is None else 1)
+        self.resume_from = cfg.checkpoint.resume_from if root is None else None
 
     # ------------------------------------------------------------ save
 
@@ -161,7 +164,7 @@ class Checkpointer:
         further problem of a folder, for the integrations whose libraries unpickle files our
         loaders never open."""
         self.close()  # no rotation deleting beside the removal of leftovers
-        return find_resume(self.task_dir, self.cfg.resume_from, self.rank, self.world, self.cfg.verify == "sha256", extra_check)
+        return find_resume(self.task_dir, self.resume_from, self.rank, self.world, self.cfg.verify == "sha256", extra_check)
 
     def load(self, resume: Resume) -> None:
         """Collective. Every file is unpickled within the allow-lists (the engines' loads, and

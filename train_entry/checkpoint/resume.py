@@ -30,6 +30,7 @@ class Resume:
     cleaned: list[str] = field(default_factory=list)  # leftovers of saves that never committed
     startup_s: float | None = None  # from the process's start to the load's (imports, process group, model)
     load_s: float | None = None
+    snapshot: bool = False  # a snapshot in the node's memory (``snapshot``), not a checkpoint in storage
 
     def report(self, hb) -> None:
         """Tell the ledger what discovery found (rank 0 writes)."""
@@ -39,8 +40,9 @@ class Resume:
             hb.event("checkpoint.skipped", f"{folder}: {why}; trying an older one", folder=folder)
         if self.folder is not None:
             timing = "" if self.load_s is None else f": loaded in {self.load_s:.2f} s, {self.startup_s:.1f} s after the process started"
-            hb.event("checkpoint.resumed", f"resumed from step {self.step} ({self.folder}, world size {self.world_size}){timing}",
-                     step=self.step, load_s=self.load_s, startup_s=self.startup_s)
+            where = "the snapshot in memory " if self.snapshot else ""
+            hb.event("checkpoint.resumed", f"resumed from step {self.step} ({where}{self.folder}, world size {self.world_size}){timing}",
+                     step=self.step, load_s=self.load_s, startup_s=self.startup_s, snapshot=self.snapshot)
 
 
 def candidates(task_dir: Path, resume_from: str | None) -> list[Path]:
