@@ -77,6 +77,20 @@ def launch_failure(launch: LaunchRecord) -> FailureKind | None:
     return FailureKind.HANG if hung else FailureKind.INFRASTRUCTURE
 
 
+def stopped_kind(launch: LaunchRecord | None) -> FailureKind | None:
+    """The failure the node agents stopped the launch for (its last generation's end record
+    says STOP), or None. A failure that came back after its restarts (the user's error, a
+    bug of ours) is that failure, not the infrastructure's, though SLURM ends the job with
+    exit code 1 before every node wrote its record."""
+    last = launch.generations[-1] if launch is not None and launch.generations else {}
+    if last.get("action") != GenerationAction.STOP.value:
+        return None
+    try:
+        return FailureKind(last.get("kind"))
+    except ValueError:
+        return None
+
+
 def exit_reason(code: int | None) -> str:
     if code is None:
         return "no exit record"
@@ -173,10 +187,13 @@ def decide(attempt: dict, launch: LaunchRecord | None, obs: Observation | None) 
     elif launch is not None and launch.ended:
         _ended_launch(d, launch)
     elif obs is not None and obs.state.ended:
-        failure = _FAILURE_OF_STATE.get(obs.state)
-        d.attempt.update(state=obs.state.value, exit_code=obs.exit_code, reason=obs.reason or obs.state.value.lower())
+        failure, reason = _FAILURE_OF_STATE.get(obs.state), obs.reason or obs.state.value.lower()
+        stopped = stopped_kind(launch) if obs.state == AttemptState.FAILED else None
+        if stopped is not None:  # the agents stopped the launch, and srun ended the job before every node said so
+            failure, reason = stopped, f"{reason} ({launch.generations[-1].get('decision')})"
+        d.attempt.update(state=obs.state.value, exit_code=obs.exit_code, reason=reason)
         d.attempt["failure"] = failure.value if failure else None
-        d.cause = f"scheduler reports job {obs.job_id} {obs.state.value}" + (f" ({obs.reason})" if obs.reason else "")
+        d.cause = f"scheduler reports job {obs.job_id} {obs.state.value}" + (f" ({reason})" if reason else "")
     elif launch is not None:
         d.attempt["state"] = AttemptState.RUNNING.value
         d.cause = f"launch {launch.key} started on {', '.join(launch.nodes)}"

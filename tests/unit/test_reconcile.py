@@ -145,6 +145,25 @@ def test_a_save_that_could_not_be_requeued_fails_and_words_never_decide_the_caus
     assert "saved, but not requeued" in u.fields["reason"]
 
 
+def test_a_launch_the_agents_stopped_for_a_bug_fails_as_one_though_slurm_ended_it_before_every_node_said_so():
+    # seen: an internal error at step 0, again after its restart; node 0's agent stopped and
+    # exited, srun ended the job before node 1's agent wrote its record: SLURM says FAILED
+    # exit code 1, which was taken for an infrastructure failure and requeued 20 times
+    stopped = {"action": "stop", "kind": "internal", "decision": "the same internal came back at step 0, stopping the launch"}
+    rec = launch(codes=[ExitCode.INTERNAL_ERROR], generations=[{"action": "restart", "kind": "internal"}, stopped])
+    rec.nodes = ["n1", "n2"]  # one node record of two: the launch has not ended by its records
+    failed = Observation("5_0", A.FAILED, exit_code=1)
+    changes = plan_refresh(attempt("RUNNING", "5_0.0"), [rec], failed, SLURM, NOW)
+    (u,) = [c for c in changes if isinstance(c, UpdateAttempt) and "state" in c.fields]
+    assert u.fields["failure"] == "internal" and "the same internal came back" in u.fields["reason"]
+    assert task_states(changes) == [T.FAILED]  # not recovered: a bug fails again
+    # a launch that was not stopped by its agents keeps SLURM's word
+    rec.generations = [{"action": "restart", "kind": "internal"}]
+    (u,) = [c for c in plan_refresh(attempt("RUNNING", "5_0.0"), [rec], failed, SLURM, NOW)
+            if isinstance(c, UpdateAttempt) and "state" in c.fields]
+    assert u.fields["failure"] == "infrastructure"
+
+
 def test_slurm_requeued_the_job_before_the_launch_recorded_its_end():
     first, second = launch(0), launch(1)
     changes = plan_refresh(attempt("RUNNING", "5_0.0"), [first, second], None, SLURM, NOW)
