@@ -20,6 +20,7 @@ from torch import distributed as dist
 
 from orchestrator import contract
 from train_entry.checkpoint.checkpointer import Checkpointer
+from train_entry.checkpoint.commit import gather
 from train_entry.checkpoint.resume import Resume
 from train_entry.errors import SnapshotRejected
 
@@ -33,11 +34,11 @@ class Snapshots:
         if not self.every:
             return
         root, why = contract.private_snapshot_root(cfg.dir, launch)
-        ok = _agree(root is not None)  # every rank takes them, or none does
-        if ok:
+        problems = [p for p in gather(why) if p]  # every rank takes them, or none does
+        if not problems:
             self.ckpt = Checkpointer(cfg, rank, world, root=root)
-        elif rank == 0:
-            hb.event("checkpoint.snapshot_off", f"no snapshots in memory for this launch: {why or 'another rank cannot keep them'}; "
+        else:
+            hb.event("checkpoint.snapshot_off", f"no snapshots in memory for this launch: {problems[0]}; "
                      "restarts resume from storage")
 
     def due(self, step: int) -> bool:
@@ -50,9 +51,8 @@ class Snapshots:
         if self.ckpt is None:
             return durable
         snap = self.ckpt.find_resume()
-        if self.rank == 0:
-            for folder, why in snap.skipped:
-                self.hb.event("checkpoint.snapshot_skipped", f"the snapshot {folder}: {why}; resuming from storage", folder=folder)
+        for folder, why in snap.skipped:  # (rank 0 writes events)
+            self.hb.event("checkpoint.snapshot_skipped", f"the snapshot {folder}: {why}; resuming from storage", folder=folder)
         if snap.folder is None or snap.step <= durable.step:
             return durable
         return dataclasses.replace(snap, skipped=durable.skipped, cleaned=durable.cleaned, snapshot=True)
@@ -80,10 +80,3 @@ class Snapshots:
         if self.ckpt is not None:
             self.ckpt.close()
 
-
-def _agree(ok: bool) -> bool:
-    import torch
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
