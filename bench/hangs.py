@@ -35,7 +35,7 @@ from orchestrator.contract import envvars  # noqa: E402
 
 INTERVAL_S, CYCLE_S = 0.5, 1.0
 OLD_TIMEOUT_S = 60.0  # before: 10 x the slowest step, at least 60 s, in every phase
-SLOW_SAVE_S = 15.0  # longer than the steady timeout's floor (10 s)
+SLOW_SAVE_S = 15.0  # three times the steady timeout's floor (5 s)
 NODE_STEP_S, NODE_SLOW_S, NODE_WINDOW = 2.2, 4.4, (20, 34)  # 15 steps of 4.4 s: a minute at twice the step time
 EVAL_HOLD_S = 6.0  # per evaluation batch, 2 batches: each evaluation 12 s
 

@@ -189,8 +189,8 @@ class Heartbeat:
     # beat rewrites one small file per rank: raise it where the run folder's metadata server minds
     # thousands of ranks.
     interval_s: float = 2.0
-    # A training rank silent this long is hung; null: learned from step times: 5 x the slowest
-    # steady step (at least 10 s) once a process is past its first 3 steps, where its loop beats
+    # A training rank silent this long is hung; null: learned from step times: 3 x the slowest
+    # steady step (at least 5 s) once a process is past its first 3 steps, where its loop beats
     # through saves and evaluations (the built-in loop does); otherwise 10 x the slowest step, at
     # least 60 s.
     timeout_s: float | None = None

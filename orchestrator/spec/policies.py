@@ -185,8 +185,8 @@ class Heartbeat(Strict):
         gt=0,
         le=DAY_S,
         strict=True,
-        description="A training rank silent this long is hung; null: learned from step times: 5 x the slowest steady step "
-        "(at least 10 s) once a process is past its first 3 steps, where its loop beats through saves and evaluations (the "
+        description="A training rank silent this long is hung; null: learned from step times: 3 x the slowest steady step "
+        "(at least 5 s) once a process is past its first 3 steps, where its loop beats through saves and evaluations (the "
         "built-in loop does); otherwise 10 x the slowest step, at least 60 s.",
     )
     startup_timeout_s: float = Field(

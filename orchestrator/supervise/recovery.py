@@ -26,9 +26,9 @@ from orchestrator.states import ActionState, AttemptState
 # (a save stuck with the rank's peer stopped cost the soak a minute). Anything else (the
 # first steps after a start, evaluations, a process's first save, a script's own loop): ten
 # times the slowest step, at least a minute, as before.
-STEADY_TIMEOUT_FACTOR = 5.0
+STEADY_TIMEOUT_FACTOR = 3.0  # a slow node doubling its steps stays inside it
 SAVE_TIMEOUT_FACTOR = 3.0  # the longest save seen, start to commit: a save's silences are shorter
-STEADY_TIMEOUT_MIN_S = 10.0  # a garbage collection, a tracker's flush, a commit: never a hang
+STEADY_TIMEOUT_MIN_S = 5.0  # a garbage collection, a tracker's flush: never a hang (saves and evals have their own)
 LEARNED_TIMEOUT_FACTOR = 10.0  # a step ten times slower than the slowest seen is not a slow step
 LEARNED_TIMEOUT_MIN_S = 60.0
 UNHEALTHY = ("down", "drain", "fail", "not_responding", "no_respond", "maint", "unknown", "reboot", "power")

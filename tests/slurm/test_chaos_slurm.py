@@ -112,7 +112,7 @@ def test_a_killed_rank_is_restarted_in_place_skipping_a_corrupted_newest_checkpo
 
 def test_a_hung_rank_is_detected_its_stacks_saved_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys):
     # no heartbeat.timeout_s: the steady training's timeout is learned (a few of the slowest
-    # steady steps, at least 10 s), not the warm-up's minute
+    # steady steps, at least 5 s), not the warm-up's minute
     exp_id, tdir = start(home, tmp_path, watchers, "hang")
     wait_for_step(tdir, 250)
     victim = heartbeat(tdir, 1)
