@@ -1,10 +1,13 @@
 """A plain Hugging Face Trainer LoRA fine-tuning script, run by configs/hf_trainer.yaml.
 
-Everything here is the usual Trainer script; orchestrate's part is the callback (one
-line) and, for DeepSpeed, the config it rendered from the spec (`--deepspeed`). The same
-script runs under plain `torchrun` too (the callback then does nothing).
+Nothing here is orchestrate's: run as `kind: script` (or `kind: command`), every Trainer
+gets orchestrate's callback from the bootstrap the node agent starts the rank with
+(`model.instrument`, on by default). The same script runs under plain `torchrun` too.
+`--callback` adds the callback by hand instead (`from train_entry.integrations.hf_trainer
+import OrchestrateCallback`: the Trainer then gets it once); `--deepspeed` takes the
+DeepSpeed config orchestrate rendered from the spec.
 
-    python configs/hf_trainer_train.py --model MODEL_FOLDER --data train.jsonl [--deepspeed]
+    python configs/hf_trainer_train.py --model MODEL_FOLDER --data train.jsonl [--callback] [--deepspeed]
 """
 
 import argparse
@@ -14,8 +17,6 @@ import os
 import peft
 import torch
 import transformers
-
-from train_entry.integrations.hf_trainer import OrchestrateCallback, deepspeed_config
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="~/.cache/orchestrate/models/SmolLM2-135M-Instruct")
@@ -30,7 +31,10 @@ p.add_argument("--batch", type=int, default=2)
 p.add_argument("--lr", type=float, default=2e-3)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--deepspeed", action="store_true", help="the DeepSpeed config orchestrate rendered (engine: deepspeed)")
+p.add_argument("--callback", action="store_true", help="add OrchestrateCallback by hand")
 a = p.parse_args()
+if a.callback or a.deepspeed:
+    from train_entry.integrations.hf_trainer import OrchestrateCallback, deepspeed_config
 out = a.out or os.path.join(os.environ.get("ORCHESTRATE_TASK_DIR", "."), "trainer")
 
 model_dir = os.path.expanduser(a.model)
@@ -67,5 +71,5 @@ model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_drop
                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-                               callbacks=[OrchestrateCallback()])  # the one line orchestrate needs
+                               callbacks=[OrchestrateCallback()] if a.callback else None)
 trainer.train()

@@ -390,3 +390,22 @@ def small_fs(tmp_path):
     yield make
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def adapter_loads_as(base: Path, out: Path, final: Path) -> None:
+    """The adapter `ckpt consolidate` wrote (``out``) loads with PEFT onto ``base``, no pickle
+    in it, with the LoRA weights of the committed checkpoint ``final``."""
+    import peft
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "consolidated.json"}
+    assert not [p for p in out.iterdir() if p.suffix in (".pt", ".pth", ".bin")]  # nothing pickled comes along
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+    saved = load_file(final / "adapter_model.safetensors")
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(state) == len(saved) > 0
+    for k, v in saved.items():
+        loaded = state[k.replace(".weight", ".default.weight")]
+        assert torch.equal(loaded, v), k

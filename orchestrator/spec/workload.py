@@ -61,6 +61,14 @@ class ScriptModel(Strict):
         "heartbeats, the stop signal and checkpoints; the rendered DeepSpeed config is in its reach."
     )
     args: list[str] = Field(default_factory=list, description="Command-line arguments for the script.")
+    instrument: bool = Field(
+        True, strict=True,
+        description="Give every Hugging Face `Trainer` the program builds (TRL's, Axolotl's, LLaMA-Factory's too) "
+        "orchestrate's callback, with no change to the program: heartbeats with step and loss, save and requeue on "
+        "the checkpoint signal, committed checkpoints, resume from the newest. A bootstrap that the rank's own "
+        "interpreter imports first (any virtual environment) does it once `transformers.trainer` is imported; a "
+        "program that never imports it, or adds the callback itself, runs as it is. false: no bootstrap.",
+    )
 
 
 # What the agent already is: a launcher in argv would start ranks the agent cannot signal
@@ -95,6 +103,14 @@ class CommandModel(Strict):
     cwd: slurmtext.OptionalPath = Field(
         None, description="Working folder of the ranks (relative paths in argv start here); default: the spec's folder."
     )
+    instrument: bool = Field(
+        True, strict=True,
+        description="Give every Hugging Face `Trainer` the program builds (TRL's, Axolotl's, LLaMA-Factory's too) "
+        "orchestrate's callback, with no change to the program: heartbeats with step and loss, save and requeue on "
+        "the checkpoint signal, committed checkpoints, resume from the newest. A bootstrap that the rank's own "
+        "interpreter imports first (any virtual environment) does it once `transformers.trainer` is imported; a "
+        "program that never imports it, or adds the callback itself, runs as it is. false: no bootstrap.",
+    )
 
     @field_validator("argv", mode="before")
     @classmethod
@@ -114,13 +130,20 @@ class CommandModel(Strict):
                 raise FieldError((i,), str(exc)) from None
         if not v[0].strip():
             raise FieldError((0,), "the program is empty: argv[0] names the program to run")
-        if (launcher := _launcher(v)) is not None:
-            raise ValueError(
+        return v
+
+    @model_validator(mode="after")
+    def _launchers(self) -> "CommandModel":
+        # with the bootstrap (instrument), torchrun and `accelerate launch` work out what they
+        # would start, and each rank becomes it; DeepSpeed's launcher starts ranks over ssh
+        launcher = _launcher(self.argv)
+        if launcher is not None and (not self.instrument or launcher.endswith("deepspeed")):
+            raise FieldError(("argv",), (
                 f"argv starts with the launcher `{launcher}`: drop it and give the training script itself "
                 "(e.g. [python, train.py, ...]); orchestrate's node agent is the launcher and starts one "
                 "process per rank with the torchrun variables set"
-            )
-        return v
+                + ("" if self.instrument else " (with instrument: true, torchrun and accelerate launch are unwrapped)")))
+        return self
 
 
 ModelSpec = Annotated[

@@ -52,9 +52,9 @@ def test_a_command_spec_resolves_its_folder_and_program(home, tmp_path):
 @pytest.mark.parametrize("argv, words", [
     ("python train.py", "not one command line"),
     ([], "at least 1 item"),
-    (["torchrun", "--nproc-per-node=2", "train.py"], "drop it"),
-    (["/usr/bin/torchrun", "train.py"], "launcher `torchrun`"),
-    (["python", "-m", "torch.distributed.run", "train.py"], "launcher `python -m torch.distributed.run`"),
+    (["deepspeed", "--num_gpus=2", "train.py"], "drop it"),  # (torchrun and accelerate launch: unwrapped, below)
+    (["/usr/bin/deepspeed", "train.py"], "launcher `deepspeed`"),
+    (["python", "-m", "deepspeed", "train.py"], "launcher `python -m deepspeed`"),
     (["python", "a\nb"], "model.argv[1]"),
     (["python", "x\x1b[2J"], "U+001B"),
     (["python", 3], "valid string"),
@@ -65,6 +65,16 @@ def test_a_bad_argv_is_refused_naming_the_field(home, tmp_path, argv, words):
     out = cli("submit", str(spec), "--executor", "local", "--dry-run", home=home)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "model.argv" in out.stderr and words in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv", [["torchrun", "--nproc-per-node=2", "train.py"], ["python", "-m", "torch.distributed.run", "train.py"],
+                                  ["accelerate", "launch", "train.py"]])
+def test_a_launcher_is_refused_only_without_the_bootstrap(home, tmp_path, argv):
+    text = spec_text("cmd", argv)
+    assert cli("submit", str(write(tmp_path / "c.yaml", text)), "--executor", "local", "--dry-run", home=home).returncode == 0
+    off = write(tmp_path / "off.yaml", text.replace("{kind: command, ", "{kind: command, instrument: false, "))
+    out = cli("submit", str(off), "--executor", "local", "--dry-run", home=home)
+    assert out.returncode != 0 and "model.argv" in out.stderr and "drop it" in out.stderr and "instrument: true" in out.stderr, out.stderr
 
 
 def test_the_agent_gives_each_rank_the_torchrun_variables_and_the_deepspeed_config(tmp_path):

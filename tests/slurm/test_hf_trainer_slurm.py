@@ -1,5 +1,6 @@
-"""A Hugging Face Trainer script with one added line (OrchestrateCallback), as a user runs it:
-preempted on the real local cluster and requeued, it ends with the per-step losses of an
+"""A Hugging Face Trainer script with no orchestrate line (the rank's bootstrap adds the
+callback: DDP), or with the callback added by hand (which it then gets once: DeepSpeed ZeRO-2),
+as a user runs it: preempted on the real local cluster and requeued, it ends with the per-step losses of an
 uninterrupted run, bit for bit (DDP and DeepSpeed ZeRO-2); its ledger shows the attempts,
 losses and eval losses; its final checkpoint consolidates into a folder PEFT loads; a damaged
 newest checkpoint is skipped on resume."""
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, sacct_runs, slurm_run, status_json, submit, wait_experiment, write
+from conftest import REPO, adapter_loads_as, cli, sacct_runs, slurm_run, status_json, submit, wait_experiment, write
 from orchestrator import contract
 from orchestrator.ledger import Ledger
 from conftest import task_metrics as metrics
@@ -27,7 +28,7 @@ model:
   script: {script}
   args: [--model, {model}, --data, {data}, --out, {out}, --steps, "{steps}", --save-steps, "{save}", --eval-steps, "{save}",
          --max-length, "32", --batch, "2"{extra}]
-engine: {engine}
+{instrument}engine: {engine}
 steps: {steps}
 checkpoint: {{keep_last: 2{resume}}}
 heartbeat: {{interval_s: 1}}
@@ -37,7 +38,9 @@ env: {{ORCHESTRATE_FAULT_SLOW_STEP_S: "{slow}"}}
 # a tiny model trains a step in ~20 ms: each sleeps 0.1 s more (asleep: no CPU, the same
 # losses), so that the preemption lands mid-run whatever the machine's speed
 STEPS, SLOW_S = 100, 0.1
-ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed")}
+ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed, --callback")}
+ADDED = "orchestrate: OrchestrateCallback added to Trainer (model.instrument)"  # the bootstrap's line in a rank's log
+KEPT = "orchestrate: Trainer has the program's own OrchestrateCallback: none added"
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +51,12 @@ def data(tiny_model, tmp_path_factory) -> Path:
     return tiny.make_chat_data(tmp_path_factory.mktemp("data") / "train.jsonl", n=72)
 
 
-def spec(tmp_path, name, model, data, engine="ddp", steps=40, save=10, partition=None, resume_from=None, ranks=2, slow=0) -> Path:
+def spec(tmp_path, name, model, data, engine="ddp", steps=40, save=10, partition=None, resume_from=None, ranks=2, slow=0,
+         instrument=True) -> Path:
     ds, extra = ENGINES[engine]
     return write(tmp_path / f"{name}.yaml", SPEC.format(
         name=name, script=SCRIPT, model=model, data=data, out=tmp_path / f"{name}-out", steps=steps, save=save, extra=extra, ranks=ranks,
-        slow=slow,
+        slow=slow, instrument="" if instrument else "  instrument: false\n",
         engine=ds, resume="" if resume_from is None else f", resume_from: {resume_from}",
         partition="" if partition is None else f", partition: {partition}"))
 
@@ -104,6 +108,9 @@ def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home
     evals = {s: r["eval_loss"] for s, r in rows.items() if r["eval_loss"] is not None}
     assert sorted(evals) == [STEPS // 4 * k for k in (1, 2, 3, 4)] and evals == {s: ref_rows[s]["eval_loss"] for s in evals}
     assert [m["step"] for m in ledger.metrics(exp_id, 0)] == list(range(1, STEPS + 1))  # the ledger has every step
+    for rank in (0, 1):  # every launch of every rank: the callback once, from the bootstrap or the script
+        log = contract.log_path(tdir, rank).read_text()
+        assert log.count(ADDED if engine == "ddp" else KEPT) == 2 and (KEPT if engine == "ddp" else ADDED) not in log, log[-2000:]
     launches = {m["launch"] for m in metrics(tdir)}
     assert len(launches) == 2, launches  # both attempts wrote losses
 
@@ -123,26 +130,22 @@ def test_a_preempted_trainer_script_resumes_bitwise_and_consolidates(slurm, home
     out = tmp_path / "adapter"
     res = cli("ckpt", "consolidate", str(tdir), "--out", str(out), home=home)
     assert res.returncode == 0, res.stderr
-    _loads_as_the_checkpoint(tiny_model, out, final)
+    adapter_loads_as(tiny_model, out, final)
     runs = sacct_runs(exp["tasks"][0]["job_id"])
     assert runs[-2:] == ["REQUEUED", "COMPLETED"], runs
 
 
-def _loads_as_the_checkpoint(base: Path, out: Path, final: Path) -> None:
-    import peft
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "consolidated.json"}
-    assert not [p for p in out.iterdir() if p.suffix in (".pt", ".pth", ".bin")]  # nothing pickled comes along
-    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
-    saved = load_file(final / "adapter_model.safetensors")
-    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    assert len(state) == len(saved) > 0
-    for k, v in saved.items():
-        loaded = state[k.replace(".weight", ".default.weight")]
-        assert torch.equal(loaded, v), k
+def test_instrument_false_runs_the_trainer_script_as_it_is(home, tmp_path, tiny_model, data):
+    # model.instrument: false: no bootstrap, so no callback: the Trainer keeps its own
+    # checkpoint-N folders, the ledger sees no step, and the rank's log no orchestrate line
+    exp = local_run(home, spec(tmp_path, "plain", tiny_model, data, steps=20, save=10, ranks=1, instrument=False))
+    assert exp["state"] == "COMPLETED", exp
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    assert sorted(p.name for p in (tmp_path / "plain-out").glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
+    assert not contract.checkpoints_dir(tdir).exists() or not any(contract.checkpoints_dir(tdir).iterdir())
+    ledger = Ledger.open(home / "ledger.db")
+    assert ledger.metrics(exp["id"], 0) == [] and exp["tasks"][0]["step"] in (None, 0), exp["tasks"][0]
+    assert "orchestrate: " not in contract.log_path(tdir, 0).read_text().replace("orchestrate agent:", "")
 
 
 def test_a_damaged_newest_trainer_checkpoint_is_skipped_on_resume(home, tmp_path, tiny_model, data):

@@ -11,6 +11,7 @@ from orchestrator import contract
 from orchestrator.contract import ExitCode, envvars
 from orchestrator.contract.trackers import tracker_env
 
+from train_entry import instrument
 from train_entry.env import NodeContext
 
 
@@ -38,6 +39,8 @@ def worker_env(base: dict, cfg: contract.TaskConfig, ctx: NodeContext, local_ran
         env[envvars.DEEPSPEED_CONFIG] = str(contract.deepspeed_config_path(cfg.task_dir))
     env.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
     env.update(tracker_env(env, cfg.experiment_id, cfg.index, cfg.task_dir))  # the same tracked run on every launch
+    if cfg.model.get("kind") in ("command", "script") and cfg.model.get("instrument", True):
+        env = instrument.with_bootstrap(env)  # the program's Trainers get orchestrate's callback
     return env
 
 

@@ -1,0 +1,105 @@
+"""A fine-tuning tool's own command line, unchanged: `trl sft` with LoRA, as TRL's docs
+write it, with nothing of orchestrate in it. `trl` is a launcher (it runs `accelerate
+launch` on its own script): each rank becomes the script accelerate would start, and the
+bootstrap gives TRL's SFTTrainer orchestrate's callback. Preempted on the real local
+cluster and requeued, it resumes from the step it saved (not step 0), with an
+uninterrupted run's losses bit for bit; its checkpoints consolidate into an adapter PEFT
+loads."""
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, adapter_loads_as, cli, sacct_runs, slurm_run, status_json, submit, wait_experiment, write
+from orchestrator import contract
+from orchestrator.ledger import Ledger
+from conftest import task_metrics as metrics
+
+pytestmark = pytest.mark.multiproc
+
+STEPS, SAVE, SLOW_S = 60, 15, 0.15  # each step slept 0.15 s more (no CPU): the preemption lands mid-run
+SPEC = """\
+name: {name}
+model:
+  kind: command
+  argv: [trl, sft, --model_name_or_path, {model}, --dataset_name, {data}, --use_peft, --lora_r, "8",
+         --lora_target_modules, q_proj, v_proj, --max_steps, "{steps}", --save_steps, "{save}", --logging_steps, "1",
+         --per_device_train_batch_size, "2", --max_length, "32", --learning_rate, "2e-3", --output_dir, {out},
+         --report_to, none, --bf16, "False", --use_cpu, "True", --ddp_backend, gloo, --dataloader_num_workers, "0", --seed, "0"]
+steps: {steps}
+checkpoint: {{keep_last: 2}}
+heartbeat: {{interval_s: 1}}
+resources: {{nodes: 1, tasks_per_node: 2, cpus_per_task: 1, time: "00:10:00"{partition}}}
+env: {{ORCHESTRATE_FAULT_SLOW_STEP_S: "{slow}"}}
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A folder that `datasets.load_dataset` reads as a train split of chat records."""
+    sys.path.insert(0, str(REPO / "tests" / "hf"))
+    import tiny
+
+    folder = tmp_path_factory.mktemp("trl-data")
+    tiny.make_chat_data(folder / "train.jsonl", n=72)
+    return folder
+
+
+def spec(tmp_path, name, model, data, partition=None, slow=0.0) -> Path:
+    return write(tmp_path / f"{name}.yaml", SPEC.format(
+        name=name, model=model, data=data, out=tmp_path / f"{name}-out", steps=STEPS, save=SAVE, slow=slow,
+        partition="" if partition is None else f", partition: {partition}"))
+
+
+def by_step(task_dir) -> dict[int, dict]:
+    return {m["step"]: m for m in metrics(task_dir)}
+
+
+@pytest.mark.slurm
+def test_trl_sft_as_its_docs_write_it_is_preempted_requeued_and_resumes_bitwise(slurm, home, tmp_path, watcher, tiny_model, data):
+    exp_id = submit(home, str(spec(tmp_path, "trl", tiny_model, data, partition="low", slow=SLOW_S)), "--executor", "slurm")
+    watcher(exp_id)
+    tdir = contract.task_dir(status_json(home, exp_id)["experiments"][0]["run_dir"], 0)
+    deadline = time.time() + 240
+    while max(by_step(tdir), default=0) < 5:  # status sees steps and losses
+        assert time.time() < deadline, cli("logs", exp_id, home=home).stdout[-3000:]
+        time.sleep(0.3)
+    task = status_json(home, exp_id)["experiments"][0]["tasks"][0]
+    assert task["step"] and task["loss"] is not None, task
+    slurm_run("sbatch", "-p", "high", "-N4", "-o", "/dev/null", "--wrap", "sleep 2")  # takes every node
+    exp = wait_experiment(home, exp_id, {"COMPLETED", "FAILED"}, 500)
+    assert exp["state"] == "COMPLETED", (exp, cli("logs", exp_id, home=home).stdout[-3000:])
+
+    ledger = Ledger.open(home / "ledger.db")
+    assert [a["state"] for a in ledger.attempts(exp_id, 0)] == ["REQUEUED", "COMPLETED"]
+    events = ledger.events(exp_id)
+    signalled = [e["cause"] for e in events if e["kind"] == "checkpoint.signal"]
+    resumed = [e["cause"] for e in events if e["kind"] == "checkpoint.resumed"]
+    saved_at = int(re.search(r"saving step (\d+)", signalled[0]).group(1))
+    assert 5 <= saved_at < STEPS and resumed[0].startswith(f"resumed from step {saved_at} "), (saved_at, resumed)
+    for rank in (0, 1):  # each launch: accelerate's child became the rank, and its SFTTrainer got the callback
+        log = contract.log_path(tdir, rank).read_text()
+        assert log.count("orchestrate: accelerate launch would start ") == 2, log[-3000:]
+        assert log.count("orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)") == 2, log[-3000:]
+
+    # the same command, never interrupted, on the same world of 2 ranks
+    out = cli("submit", str(spec(tmp_path, "ref", tiny_model, data)), "--executor", "local", "--wait", "--json", home=home,
+              timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref = by_step(contract.task_dir(json.loads(out.stdout)["experiments"][0]["run_dir"], 0))
+    rows = by_step(tdir)
+    assert sorted(rows) == list(range(1, STEPS + 1)) == sorted(ref)
+    assert [rows[s]["loss"] for s in rows] == [ref[s]["loss"] for s in rows]  # bitwise, step by step
+
+    final = contract.checkpoints_dir(tdir) / contract.checkpoint_name(STEPS)
+    assert contract.read_manifest(final)["state_format"] == "hf-trainer"
+    assert cli("ckpt", "verify", str(final), home=home).returncode == 0
+    adapter = tmp_path / "adapter"
+    res = cli("ckpt", "consolidate", str(tdir), "--out", str(adapter), home=home)
+    assert res.returncode == 0, res.stderr
+    adapter_loads_as(tiny_model, adapter, final)
+    assert sacct_runs(exp["tasks"][0]["job_id"])[-2:] == ["REQUEUED", "COMPLETED"]

@@ -1,0 +1,190 @@
+"""orchestrate's bootstrap for a rank's program (``model.instrument``; ``train_entry.instrument``).
+
+Python imports ``sitecustomize`` at start-up from its path; the node agent puts this
+folder first on the rank's PYTHONPATH. It runs in the program's own interpreter, which may
+be another virtual environment's, so it uses the standard library only. It:
+
+1. gives the program back the PYTHONPATH it would have had, and takes this folder off
+   ``sys.path`` (children and the program see what they would see without orchestrate);
+2. runs the ``sitecustomize`` this one hides, if the environment has one;
+3. waits for ``transformers.trainer`` to be imported, and only then loads orchestrate's
+   own code, from the files beside this one, to add its callback to every Trainer;
+4. where the program is a launcher or wraps one (``accelerate launch``, ``torchrun``, and
+   the tools that call them: ``trl sft``, ...), lets the launcher work out what it would
+   start, then becomes that process itself (exec, same pid, this rank's torchrun variables,
+   this bootstrap again): the node agent is the launcher, and starts one process per rank.
+
+A program that never imports transformers runs exactly as without it. Nothing here may
+stop the program: a failure is a line on stderr, and the program runs uninstrumented.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))  # holds orchestrator/ and train_entry/
+_SAVED = "ORCHESTRATE_INSTRUMENT_PYTHONPATH"  # the program's own PYTHONPATH ("-" where it had none)
+# the node agent's variables for this rank: a launcher's own choices never replace them
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+_AGENT_ENV = {k: os.environ[k] for k in _RANK_VARS if k in os.environ}
+
+
+def _restore_path():
+    saved = os.environ.pop(_SAVED, None)
+    if saved == "-":
+        os.environ.pop("PYTHONPATH", None)
+    elif saved is not None:
+        os.environ["PYTHONPATH"] = saved
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+
+def _chain():
+    """The environment's own sitecustomize, which this module's name hides."""
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+def _warn(what, exc):
+    sys.stderr.write("orchestrate: %s (%s: %s); the program runs without orchestrate's callback\n"
+                     % (what, type(exc).__name__, exc))
+
+
+def _ours(name):
+    """orchestrate's package ``name``, from the files beside this bootstrap (never another
+    copy the program's environment may hold)."""
+    if name in sys.modules:
+        return
+    init = os.path.join(_ROOT, name, "__init__.py")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[os.path.dirname(init)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def _instrument(trainer_module):
+    try:
+        _ours("orchestrator")
+        _ours("train_entry")
+        from train_entry.instrument import hook
+
+        hook.instrument(trainer_module)
+    except Exception as exc:  # noqa: BLE001 - never the program's failure
+        _warn("could not instrument transformers.Trainer", exc)
+
+
+def _become(argv, env, launcher):
+    """This process becomes what ``launcher`` would have started, as this rank."""
+    env = dict(env)
+    env.update(_AGENT_ENV)
+    own = os.environ.get("PYTHONPATH")  # the program's, restored: the next program is instrumented too
+    env[_SAVED] = "-" if own is None else own
+    env["PYTHONPATH"] = _HERE if not own else _HERE + os.pathsep + own
+    sys.stderr.write("orchestrate: %s would start %s; this rank runs it itself (the node agent is the launcher, "
+                     "one process per rank)\n" % (launcher, " ".join(argv)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    program = argv[0] if os.sep in argv[0] else _which(argv[0], env)
+    os.execve(program, argv, env)
+
+
+def _which(name, env):
+    for folder in env.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError("%s is not on PATH" % name)
+
+
+def _script_argv(args):
+    """torchrun's and accelerate's parsed arguments: the command one rank runs."""
+    script = [str(args.training_script)] + [str(a) for a in args.training_script_args]
+    if getattr(args, "no_python", False):
+        return script
+    return [sys.executable] + (["-m"] if getattr(args, "module", False) else []) + script
+
+
+def _unwrap_torchrun(module):
+    """``torch.distributed.run.run(args)``: torchrun's CLI, and accelerate's multi-process launchers."""
+    def run(args):
+        _become(_script_argv(args), os.environ, "torchrun")
+    run._orchestrate = True
+    module.run = run
+
+
+def _unwrap_accelerate(module):
+    """``accelerate launch``'s single-process launcher starts its command through this."""
+    if not hasattr(module, "_run_subprocess"):
+        sys.stderr.write("orchestrate: this accelerate has no _run_subprocess: `accelerate launch` runs as it is\n")
+        return
+
+    def run_subprocess(cmd, env, *args, **kwargs):
+        _become([str(c) for c in cmd], env, "accelerate launch")
+    module._run_subprocess = run_subprocess
+
+
+def _instrument_trainer(module):
+    _instrument(module)
+
+
+_TARGETS = {"transformers.trainer": _instrument_trainer, "torch.distributed.run": _unwrap_torchrun,
+            "accelerate.commands.launch": _unwrap_accelerate}
+# run as ``python -m``: runpy executes the module's code as __main__, never through
+# exec_module; this code imports the module (so its hook runs) and calls its entry point
+_AS_MAIN = {"torch.distributed.run": "from torch.distributed.run import main\nmain()\n",
+            "accelerate.commands.launch": "from accelerate.commands.launch import main\nmain()\n"}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, finder, fullname):
+        self.inner, self.finder, self.fullname = inner, finder, fullname
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        self.finder.waiting.pop(self.fullname)(module)
+
+    def get_code(self, fullname):  # runpy (``python -m``)
+        if fullname in _AS_MAIN:
+            return compile(_AS_MAIN[fullname], self.inner.get_filename(fullname), "exec")
+        return self.inner.get_code(fullname)
+
+    def __getattr__(self, name):  # get_source, get_filename ...: the real loader's
+        return getattr(self.inner, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of the modules in ``_TARGETS`` so that their
+    hook runs once the module has (once each)."""
+
+    def __init__(self):
+        self.waiting = dict(_TARGETS)
+        self.busy = set()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.waiting or fullname in self.busy:
+            return None
+        self.busy.add(fullname)  # the inner search must not find this finder again
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.busy.discard(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, self, fullname)
+        return spec
+
+
+_restore_path()
+try:
+    _chain()
+except Exception as exc:  # noqa: BLE001 - the environment's own hook failing is reported as Python would
+    sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(exc).__name__, exc))
+sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,55 @@
+"""What the bootstrap does once ``transformers.trainer`` is imported: every ``Trainer``
+built from then on (TRL's, Axolotl's, LLaMA-Factory's subclasses alike, since they run
+``Trainer.__init__``) carries ``OrchestrateCallback``, unless the program added it itself,
+and so ``Trainer.train`` resumes from the newest committed checkpoint by default."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+_MARK = "_orchestrate_instrumented"
+
+
+def instrument(trainer_module) -> None:
+    """Wrap ``trainer_module.Trainer.__init__`` (once). The callback's module is imported
+    here, so that an environment that cannot load it fails now, in the bootstrap (which
+    says so and lets the program run), never later inside the program's Trainer."""
+    import train_entry.integrations.hf_trainer  # noqa: F401
+
+    trainer = trainer_module.Trainer
+    if getattr(trainer.__init__, _MARK, False):
+        return
+    original = trainer.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        add_callback(self)
+
+    setattr(__init__, _MARK, True)
+    trainer.__init__ = __init__
+
+
+def add_callback(trainer) -> None:
+    """The callback, after the Trainer's own set-up; and its ``on_init_end``, which that
+    set-up ran before it was there. Said once per process, in the rank's log."""
+    from train_entry.integrations.hf_trainer import OrchestrateCallback
+
+    callbacks = trainer.callback_handler.callbacks
+    if any(isinstance(cb, OrchestrateCallback) for cb in callbacks):
+        _say(f"{type(trainer).__name__} has the program's own OrchestrateCallback: none added")
+        return
+    cb = OrchestrateCallback()
+    trainer.add_callback(cb)
+    cb.on_init_end(trainer.args, trainer.state, trainer.control)
+    _say(f"OrchestrateCallback added to {type(trainer).__name__} (model.instrument)")
+
+
+_said: set[str] = set()
+
+
+def _say(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        print(f"orchestrate: {line}", file=sys.stderr, flush=True)
