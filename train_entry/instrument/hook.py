@@ -6,6 +6,7 @@ and so ``Trainer.train`` resumes from the newest committed checkpoint by default
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 
 _MARK = "_orchestrate_instrumented"
@@ -15,7 +16,7 @@ def instrument(trainer_module) -> None:
     """Wrap ``trainer_module.Trainer.__init__`` (once). The callback's module is imported
     here, so that an environment that cannot load it fails now, in the bootstrap (which
     says so and lets the program run), never later inside the program's Trainer."""
-    import train_entry.integrations.hf_trainer  # noqa: F401
+    importlib.import_module("train_entry.integrations.hf_trainer")
 
     trainer = trainer_module.Trainer
     if getattr(trainer.__init__, _MARK, False):
