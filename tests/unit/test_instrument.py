@@ -141,3 +141,30 @@ def test_accelerate_launch_becomes_the_process_it_would_start_with_its_settings(
     assert seen["pid"] == pid and seen["argv"] == [str(tmp_path / "show.py"), "--lr", "0.1"], seen
     assert seen["mp"] == "no" and seen["rank"] == "1" and seen["port"] == "12345" and seen["pythonpath"] is None, seen
     assert "orchestrate: accelerate launch would start " in err
+
+
+WRAPPER = """import subprocess, sys
+print(subprocess.run([sys.executable, "-c", "print('an ordinary child')"], capture_output=True, text=True).stdout.strip(),
+      flush=True)
+subprocess.run([sys.argv[1], "launch", "--num_processes", "2", sys.argv[2], "--lr", "0.1"], check=True)
+print("the wrapper went on after its launcher")
+"""
+
+
+def test_a_wrapper_that_starts_a_launcher_as_its_child_becomes_the_rank(tmp_path):
+    # Axolotl's CLI runs `accelerate launch -m axolotl.cli.train ...` as a child; the rank
+    # becomes the launcher, which becomes the script: one process, the one the agent started
+    (tmp_path / "show.py").write_text(SHOW)
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER)
+    proc = subprocess.Popen([sys.executable, str(wrapper), console_script("accelerate"), str(tmp_path / "show.py")],
+                            env=instrument.with_bootstrap(base_env(**RANK_ENV)), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    first, line = out.splitlines()
+    seen = json.loads(line)
+    assert first == "an ordinary child"  # a child that is no launcher starts as ever
+    assert seen["pid"] == proc.pid and seen["argv"] == [str(tmp_path / "show.py"), "--lr", "0.1"], seen
+    assert seen["rank"] == "1" and seen["port"] == "12345" and seen["pythonpath"] is None, seen
+    assert "orchestrate: the program would start " in err and "orchestrate: accelerate launch would start " in err

@@ -10,9 +10,10 @@ be another virtual environment's, so it uses the standard library only. It:
 3. waits for ``transformers.trainer`` to be imported, and only then loads orchestrate's
    own code, from the files beside this one, to add its callback to every Trainer;
 4. where the program is a launcher or wraps one (``accelerate launch``, ``torchrun``, and
-   the tools that call them: ``trl sft``, ...), lets the launcher work out what it would
-   start, then becomes that process itself (exec, same pid, this rank's torchrun variables,
-   this bootstrap again): the node agent is the launcher, and starts one process per rank.
+   the tools that call them: ``trl sft`` in its own process, Axolotl's and LLaMA-Factory's
+   CLIs as a child), lets the launcher work out what it would start, then becomes that
+   process itself (exec, same pid, this rank's torchrun variables, this bootstrap again):
+   the node agent is the launcher, and starts one process per rank.
 
 A program that never imports transformers runs exactly as without it. Nothing here may
 stop the program: a failure is a line on stderr, and the program runs uninstrumented.
@@ -22,6 +23,8 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,15 +82,15 @@ def _instrument(trainer_module):
         _warn("could not instrument transformers.Trainer", exc)
 
 
-def _become(argv, env, launcher):
-    """This process becomes what ``launcher`` would have started, as this rank."""
+def _become(argv, env, said):
+    """This process becomes ``argv``, as this rank (``said``: why, for the rank's log)."""
     env = dict(env)
     env.update(_AGENT_ENV)
-    own = os.environ.get("PYTHONPATH")  # the program's, restored: the next program is instrumented too
-    env[_SAVED] = "-" if own is None else own
+    own = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != _HERE)
+    env[_SAVED] = own if "PYTHONPATH" in env else "-"  # the next program gets its own back, and is instrumented too
     env["PYTHONPATH"] = _HERE if not own else _HERE + os.pathsep + own
-    sys.stderr.write("orchestrate: %s would start %s; this rank runs it itself (the node agent is the launcher, "
-                     "one process per rank)\n" % (launcher, " ".join(argv)))
+    sys.stderr.write("orchestrate: %s; this rank runs it itself (the node agent is the launcher, one process per rank)\n"
+                     % said)
     sys.stdout.flush()
     sys.stderr.flush()
     program = argv[0] if os.sep in argv[0] else _which(argv[0], env)
@@ -113,7 +116,8 @@ def _script_argv(args):
 def _unwrap_torchrun(module):
     """``torch.distributed.run.run(args)``: torchrun's CLI, and accelerate's multi-process launchers."""
     def run(args):
-        _become(_script_argv(args), os.environ, "torchrun")
+        argv = _script_argv(args)
+        _become(argv, os.environ, "torchrun would start " + " ".join(argv))
     run._orchestrate = True
     module.run = run
 
@@ -125,8 +129,44 @@ def _unwrap_accelerate(module):
         return
 
     def run_subprocess(cmd, env, *args, **kwargs):
-        _become([str(c) for c in cmd], env, "accelerate launch")
+        argv = [str(c) for c in cmd]
+        _become(argv, env, "accelerate launch would start " + " ".join(argv))
     module._run_subprocess = run_subprocess
+
+
+_LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch")
+
+
+def _launcher_in(argv):
+    """The launcher a child's argv starts (``torchrun ...``, ``accelerate launch ...``,
+    ``python -m torch.distributed.run ...``), or None."""
+    if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, (str, bytes, os.PathLike)) for a in argv):
+        return None
+    argv = [os.fsdecode(a) for a in argv]
+    name = os.path.basename(argv[0])
+    if name == "torchrun" or (name == "accelerate" and argv[1:2] == ["launch"]):
+        return " ".join(argv[:1 if name == "torchrun" else 2])
+    if re.fullmatch(r"python[0-9.]*", name) and argv[1:2] == ["-m"] and argv[2:3] and argv[2] in _LAUNCHER_MODULES:
+        return "python -m " + argv[2]
+    return None
+
+
+def _intercept_children():
+    """A wrapper that starts a launcher as its child (Axolotl's ``accelerate launch``,
+    LLaMA-Factory's ``torchrun``) becomes that launcher instead, which this bootstrap, loaded
+    again, then unwraps: the rank stays one process, the one the agent started."""
+    original = subprocess.Popen.__init__
+
+    def __init__(self, args, *rest, **kwargs):
+        launcher = _launcher_in(args)
+        if launcher is not None:
+            env = kwargs.get("env")
+            if kwargs.get("cwd"):
+                os.chdir(kwargs["cwd"])
+            argv = [os.fsdecode(a) for a in args]
+            _become(argv, os.environ if env is None else env, "the program would start %s as its child" % " ".join(argv))
+        original(self, args, *rest, **kwargs)
+    subprocess.Popen.__init__ = __init__
 
 
 def _instrument_trainer(module):
@@ -188,3 +228,4 @@ try:
 except Exception as exc:  # noqa: BLE001 - the environment's own hook failing is reported as Python would
     sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(exc).__name__, exc))
 sys.meta_path.insert(0, _Finder())
+_intercept_children()
