@@ -102,3 +102,42 @@ def test_trl_sft_as_its_docs_write_it_is_preempted_requeued_and_resumes_bitwise(
     assert res.returncode == 0, res.stderr
     adapter_loads_as(tiny_model, adapter, final)
     assert sacct_runs(exp["tasks"][0]["job_id"])[-2:] == ["REQUEUED", "COMPLETED"]
+
+
+OTHER_TRL, OTHER_TRANSFORMERS = "1.9.0", "5.16.1"  # what Axolotl 0.19 pins
+
+
+@pytest.fixture(scope="module")
+def other_env(tmp_path_factory) -> Path:
+    """A virtual environment of the tool's own, as users install one: TRL and transformers at
+    other versions than orchestrate's (torch and the rest from the system's site-packages)."""
+    import subprocess
+    import venv
+
+    folder = tmp_path_factory.mktemp("venv") / "trl"
+    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(folder)
+    out = subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "-q", f"trl=={OTHER_TRL}",
+                          f"transformers=={OTHER_TRANSFORMERS}"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return folder
+
+
+def test_trl_in_its_own_environment_at_other_versions_gets_the_lifecycle(home, tmp_path, tiny_model, data, other_env):
+    import transformers
+
+    assert transformers.__version__ != OTHER_TRANSFORMERS  # (else this test would prove nothing)
+    text = spec(tmp_path, "venv", tiny_model, data).read_text().replace("argv: [trl, sft", f"argv: [{other_env}/bin/trl, sft")
+    text = text.replace(f'"{STEPS}"', '"20"').replace(f'"{SAVE}"', '"10"').replace(f"steps: {STEPS}", "steps: 20")
+    out = cli("submit", str(write(tmp_path / "venv2.yaml", text)), "--executor", "local", "--wait", "--json", home=home,
+              timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exp = json.loads(out.stdout)["experiments"][0]
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 20, exp
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    log = contract.log_path(tdir, 0).read_text()
+    # the venv's interpreter ran TRL's script (its transformers), and its SFTTrainer got the callback
+    assert f"accelerate launch would start {other_env}/bin/python {other_env}/lib/" in log, log[-3000:]
+    assert "orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)" in log
+    assert sorted(by_step(tdir)) == list(range(1, 21))
+    assert [s for s, _ in contract.committed_checkpoints(tdir)] == [20, 10]
+    assert cli("ckpt", "verify", str(contract.checkpoints_dir(tdir) / contract.checkpoint_name(20)), home=home).returncode == 0
