@@ -29,6 +29,7 @@ from orchestrator.contract import chatdata, datacache
 from orchestrator.errors import SpecError, SpecIssue
 from orchestrator.spec import shown, yamlsrc
 from orchestrator.spec.hf import RECORD_KINDS
+from orchestrator.submit import command_check
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ def check(plan, lines: dict, source: str, model_files: bool = True, data: bool =
                 problems += for_training
             else:
                 skipped.update(dict.fromkeys(f"{message} (submit checks it)" for _, message in for_training))
+        if spec.model.kind == "command":
+            skipped[command_check.NOT_CHECKED] = None
         if spec.data.kind in RECORD_KINDS:
             if data:
                 problems += checker.data(spec.data)

@@ -22,7 +22,7 @@ from orchestrator.spec.hf import MAX_INPUTS, RECORD_KINDS
 from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
-from orchestrator.submit import preflight
+from orchestrator.submit import command_check, preflight
 from orchestrator.submit.plan import build_plan
 
 
@@ -42,7 +42,7 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         spec.model.script = str(script)
         set_path(raw, ("model", "script"), str(script))
     if spec.model.kind == "command":
-        _command_paths(spec.model, here, raw, lines, str(spec_path))
+        _command_paths(spec.model, here, raw, lines, str(spec_path), spec.env.get("PATH", os.environ.get("PATH")))
     _absolute_paths(spec, here, raw, lines, str(spec_path))
     _data_cache(spec, home, raw)
     tasks = expand(spec, raw, lines, str(spec_path))
@@ -50,7 +50,7 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         _absolute_paths(t.spec, here, None, lines, str(spec_path))
         _data_cache(t.spec, home)
         if t.spec.model.kind == "command":
-            _command_paths(t.spec.model, here, None, lines, str(spec_path))
+            _command_paths(t.spec.model, here, None, lines, str(spec_path), t.spec.env.get("PATH", os.environ.get("PATH")))
     executor = executor or default_executor()
     workdir = _local_path(Path.cwd(), spec.workdir) if spec.workdir else home / "runs"
     plan = build_plan(
@@ -91,9 +91,10 @@ def _blame_overrides(issue: SpecIssue, lines: dict) -> SpecIssue:
     return issue
 
 
-def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str) -> None:
+def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str, path: str | None) -> None:
     """model.cwd absolute (the spec's folder when left out), and a relative argv[0] that
-    names a file (it has a '/') taken from there: the agent starts it on the compute nodes."""
+    names a file (it has a '/') taken from there: the agent starts it on the compute nodes.
+    Then ``command_check``: the program on ``path`` (the ranks' PATH), the files it reads."""
     cwd = _local_path(here, model.cwd) if model.cwd else here
     if not os.path.isdir(cwd):
         raise SpecError([yamlsrc.issue(lines, ("model", "cwd"), f"no folder '{cwd}'", source)])
@@ -109,6 +110,9 @@ def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str
         model.argv[0] = str(program)
         if raw is not None:
             set_path(raw, ("model", "argv"), list(model.argv))
+    found = command_check.problems(model.argv, str(cwd), path)
+    if found:
+        raise SpecError([yamlsrc.issue(lines, ("model", "argv", i), message, source) for i, message in found])
 
 
 def _absolute_paths(spec, here: Path, raw: dict | None = None, lines: dict | None = None, source: str = "") -> None:
