@@ -129,6 +129,8 @@ class OrchestrateCallback(TrainerCallback):
             return None if found.folder is None else str(found.folder)
         folder = Path(given)  # the user's own choice; checked only if it is one of ours
         self.resumed_from = folder if os.path.lexists(folder / contract.MANIFEST) else None
+        run.event("trainer.settings", f"the program passes resume_from_checkpoint={given}: its choice, over the newest "
+                  "committed checkpoint (every restart and requeue resumes from it again)")
         return given
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -136,6 +138,8 @@ class OrchestrateCallback(TrainerCallback):
             return
         run = self._ensure_run()
         self.deepspeed = bool(args.deepspeed)
+        if (notes := settings_notes(args, run.task_dir)):
+            run.event("trainer.settings", "; ".join(notes))
         if self.resumed_from is not None:  # the Trainer has loaded it by now
             common.check_resumed(run, self.resumed_from, model)
         self._step_started = time.time()
@@ -192,6 +196,31 @@ class OrchestrateCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.active and not self.stopping:
             self.run.finish(state.global_step)
+
+
+def settings_notes(args, task_dir) -> list[str]:
+    """What the Trainer's own arguments mean under orchestrate, where they differ from
+    what the program asked for (said once, as an event)."""
+    notes = []
+    if args.save_total_limit:
+        notes.append(f"save_total_limit={args.save_total_limit} finds nothing to rotate (committed checkpoints move "
+                     "into checkpoints/): checkpoint.keep_last decides what is kept")
+    out = Path(args.output_dir).resolve()
+    try:
+        same = _device(out) == _device(Path(task_dir))
+    except OSError:
+        same = True
+    if not same:
+        notes.append(f"output_dir {out} is on another filesystem than the run folder: each checkpoint-N is copied into "
+                     "checkpoints/, not renamed (slower; put output_dir in the run folder's filesystem)")
+    return notes
+
+
+def _device(path: Path) -> int:
+    """The filesystem of ``path``, or of its nearest existing parent (output_dir may not exist yet)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.stat().st_dev
 
 
 def _number(v) -> float | None:
