@@ -182,6 +182,9 @@ def test_every_config_named_exists_and_validates(tmp_path, request):
             made = request.getfixturevalue("stand_ins")
             extra += ["--set", f"model.path={made['model']}"] if missing_model else []
             extra += ["--set", f"data.path={made['data']}"] if missing_data else []
+        cwd = model.get("cwd")  # a command's working folder: made by the set-up the config's comments give
+        if model.get("kind") == "command" and cwd and not Path(os.path.expanduser(cwd)).is_dir():
+            extra += ["--set", f"model.cwd={tmp_path}"]
         argv = ["--home", str(tmp_path / "home"), "validate", str(path), *extra]
         for item in overrides:
             argv += ["--set", item]
