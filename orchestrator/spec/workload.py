@@ -51,6 +51,17 @@ class EntrypointModel(Strict):
         return v
 
 
+# model.instrument, the same for a script and a command (train_entry.instrument)
+Instrument = Annotated[bool, Field(
+    strict=True,
+    description="Give every Hugging Face `Trainer` the program builds (TRL's, Axolotl's, LLaMA-Factory's too) "
+    "orchestrate's callback, with no change to the program: heartbeats with step and loss, save and requeue on "
+    "the checkpoint signal, committed checkpoints, resume from the newest. A bootstrap that the rank's own "
+    "interpreter imports first (any virtual environment) does it once `transformers.trainer` is imported; a "
+    "program that never imports it, or adds the callback itself, runs as it is. false: no bootstrap.",
+)]
+
+
 class ScriptModel(Strict):
     """Your own training script, run on every rank instead of orchestrate's loop."""
 
@@ -61,14 +72,7 @@ class ScriptModel(Strict):
         "heartbeats, the stop signal and checkpoints; the rendered DeepSpeed config is in its reach."
     )
     args: list[str] = Field(default_factory=list, description="Command-line arguments for the script.")
-    instrument: bool = Field(
-        True, strict=True,
-        description="Give every Hugging Face `Trainer` the program builds (TRL's, Axolotl's, LLaMA-Factory's too) "
-        "orchestrate's callback, with no change to the program: heartbeats with step and loss, save and requeue on "
-        "the checkpoint signal, committed checkpoints, resume from the newest. A bootstrap that the rank's own "
-        "interpreter imports first (any virtual environment) does it once `transformers.trainer` is imported; a "
-        "program that never imports it, or adds the callback itself, runs as it is. false: no bootstrap.",
-    )
+    instrument: Instrument = True
 
 
 # What the agent already is: a launcher in argv would start ranks the agent cannot signal
@@ -103,14 +107,7 @@ class CommandModel(Strict):
     cwd: slurmtext.OptionalPath = Field(
         None, description="Working folder of the ranks (relative paths in argv start here); default: the spec's folder."
     )
-    instrument: bool = Field(
-        True, strict=True,
-        description="Give every Hugging Face `Trainer` the program builds (TRL's, Axolotl's, LLaMA-Factory's too) "
-        "orchestrate's callback, with no change to the program: heartbeats with step and loss, save and requeue on "
-        "the checkpoint signal, committed checkpoints, resume from the newest. A bootstrap that the rank's own "
-        "interpreter imports first (any virtual environment) does it once `transformers.trainer` is imported; a "
-        "program that never imports it, or adds the callback itself, runs as it is. false: no bootstrap.",
-    )
+    instrument: Instrument = True
 
     @field_validator("argv", mode="before")
     @classmethod
