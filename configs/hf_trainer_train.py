@@ -8,6 +8,7 @@ import OrchestrateCallback`: the Trainer then gets it once); `--deepspeed` takes
 DeepSpeed config orchestrate rendered from the spec.
 
     python configs/hf_trainer_train.py --model MODEL_FOLDER --data train.jsonl [--callback] [--deepspeed]
+        [--load-best min|max] [--final FOLDER]
 """
 
 import argparse
@@ -32,6 +33,9 @@ p.add_argument("--lr", type=float, default=2e-3)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--deepspeed", action="store_true", help="the DeepSpeed config orchestrate rendered (engine: deepspeed)")
 p.add_argument("--callback", action="store_true", help="add OrchestrateCallback by hand")
+p.add_argument("--load-best", choices=["min", "max"], default=None,
+               help="load_best_model_at_end by eval_loss, the lowest (min) or, to try it, the highest (max)")
+p.add_argument("--final", default=None, help="save the model the Trainer ends with into this folder")
 a = p.parse_args()
 if a.callback or a.deepspeed:
     from train_entry.integrations.hf_trainer import OrchestrateCallback, deepspeed_config
@@ -63,6 +67,8 @@ args = transformers.TrainingArguments(
     use_cpu=cpu, ddp_backend="gloo" if cpu else None, ddp_find_unused_parameters=False,
     report_to=[], disable_tqdm=True, dataloader_num_workers=0,
     deepspeed=deepspeed_config() if a.deepspeed else None,
+    load_best_model_at_end=a.load_best is not None, metric_for_best_model="eval_loss" if a.load_best else None,
+    greater_is_better=(a.load_best == "max") if a.load_best else None,
 )
 model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 model.config.use_cache = False
@@ -73,3 +79,5 @@ model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_drop
 trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                callbacks=[OrchestrateCallback()] if a.callback else None)
 trainer.train()
+if a.final:
+    trainer.save_model(os.path.expanduser(a.final))

@@ -31,6 +31,7 @@ class Checkpoint:
     world_size: int | None = None
     size: int = 0
     problem: str | None = None  # None: verified (sizes; sha256 with --deep)
+    pinned: str | None = None  # why it is kept past keep_last (``contract.pins``), if it is
 
     @property
     def verified(self) -> bool:
@@ -56,13 +57,21 @@ def find(path: Path, deep: bool = False) -> list[Checkpoint]:
     if not path.exists():
         raise UserError(f"'{path}' does not exist; give an experiment, a run or task folder, or a checkpoint folder")
     if (path / contract.MANIFEST).exists() or path.name.startswith(_PREFIXES):
-        return [describe(path, "-", deep)]
+        return _pinned([describe(path, "-", deep)], path.parent.parent)
     if path.name == contract.checkpoints_dir(path.parent).name:
-        return [describe(d, "-", deep) for d in _folders(path)]
+        return _pinned([describe(d, "-", deep) for d in _folders(path)], path.parent)
     dirs = task_dirs(path)
     if not dirs:
         raise UserError(f"'{path}' holds no checkpoints: not a run, task or checkpoint folder")
-    return [describe(d, t.name, deep) for t in dirs for d in _folders(contract.checkpoints_dir(t))]
+    return [c for t in dirs for c in _pinned([describe(d, t.name, deep) for d in _folders(contract.checkpoints_dir(t))], t)]
+
+
+def _pinned(found: list[Checkpoint], tdir: Path) -> list[Checkpoint]:
+    pins = contract.read_pins(tdir)
+    for c in found:
+        if c.committed and c.step in pins:
+            c.pinned = pins[c.step]
+    return found
 
 
 def _folders(base: Path) -> list[Path]:
@@ -129,11 +138,12 @@ class PrunePlan:
     remove: list[Checkpoint]
 
 
-def plan_prune(checkpoints: list[Checkpoint], keep: int) -> PrunePlan:
-    """Per task: keep the ``keep`` newest committed checkpoints that verify; remove older
-    committed ones and leftovers of unfinished saves older than the newest kept. A damaged
-    checkpoint is never counted as kept, and nothing is removed from a task that has no
-    good checkpoint (pruning must not take the last way back)."""
+def plan_prune(checkpoints: list[Checkpoint], keep: int, include_pinned: bool = False) -> PrunePlan:
+    """Per task: keep the ``keep`` newest committed checkpoints that verify, and the pinned
+    ones (unless ``include_pinned``); remove older committed ones and leftovers of unfinished
+    saves older than the newest kept. A damaged checkpoint is never counted as kept, and
+    nothing is removed from a task that has no good checkpoint (pruning must not take the
+    last way back)."""
     if keep < 1:
         raise UserError("--keep must be at least 1")
     plan = PrunePlan([], [])
@@ -148,7 +158,7 @@ def plan_prune(checkpoints: list[Checkpoint], keep: int) -> PrunePlan:
         kept = good[-keep:]
         oldest_kept = kept[0].step or 0
         for c in cks:
-            if c in kept or (c.step or 0) > oldest_kept:
+            if c in kept or (c.step or 0) > oldest_kept or (c.pinned and c.verified and not include_pinned):
                 plan.keep.append(c)  # newer than what we keep: a save in flight, or a damaged one to look at
             else:
                 plan.remove.append(c)

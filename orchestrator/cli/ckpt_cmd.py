@@ -96,17 +96,19 @@ def _list(args, path: Path) -> int:
     if args.json:
         print(json.dumps([
             {"task": c.task, "step": c.step, "folder": str(c.folder), "engine": c.engine, "world_size": c.world_size,
-             "size": c.size, "committed": c.committed, "verified": c.verified, "problem": c.problem} for c in found
+             "size": c.size, "committed": c.committed, "verified": c.verified, "problem": c.problem,
+             "pinned": c.pinned} for c in found
         ], indent=2))
         return 0
     from rich.table import Table  # only the table needs rich
 
     t = Table(title=str(path), title_justify="left")
-    for col in ("task", "step", "engine", "world", "size", "committed", "verified", "folder"):
+    for col in ("task", "step", "engine", "world", "size", "committed", "verified", "pinned", "folder"):
         t.add_column(col, overflow="fold")
     for c in found:
         t.add_row(c.task, str(c.step), c.engine or "-", str(c.world_size or "-"), ckpt.human_size(c.size),
-                  "yes" if c.committed else "no", "yes" if c.verified else f"no: {c.problem}", c.folder.name)
+                  "yes" if c.committed else "no", "yes" if c.verified else f"no: {c.problem}", c.pinned or "-",
+                  c.folder.name)
     stdout_console().print(t)
     return 0
 
@@ -115,7 +117,7 @@ def _prune(args, path: Path, owner) -> int:
     """Remove all but the newest K good checkpoints per task; with an experiment, record it in the ledger.
     Nothing is deleted through a symbolic link (a ``checkpoints`` folder or a ``step-N`` that is
     one, or leads out of its task folder): those are named, left alone, and the exit code is 1."""
-    plan = ckpt.plan_prune(ckpt.find(path), args.keep)
+    plan = ckpt.plan_prune(ckpt.find(path), args.keep, args.include_pinned)
     refused = [c for c in plan.remove if _refuse_deletion(c)]
     remove = [c for c in plan.remove if c not in refused]
     for c in remove:

@@ -120,10 +120,12 @@ def _add_ckpt(sub) -> None:
                    "for checkpoints of model kind hf (they hold hf.json); --no-hf: the tensors under the checkpoint's names")
     c.add_argument("--base", metavar="FOLDER", help="with --hf: the base model folder, if it is no longer where the "
                    "checkpoint's hf.json says (it must still be the same model: its fingerprint is checked)")
-    c = ck.add_parser("prune", help="delete all but the newest K good checkpoints of each task")
+    c = ck.add_parser("prune", help="delete all but the newest K good checkpoints of each task, and the pinned ones")
     c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoints folder")
     c.add_argument("--keep", type=int, required=True, metavar="K")
     c.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    c.add_argument("--include-pinned", action="store_true", help="remove pinned checkpoints (the best ones, the "
+                   "Trainer's best) past the newest K too")
 
 
 def _add_data(sub) -> None:

@@ -88,6 +88,7 @@ from .layout import (
     weights_dir,
     weights_tmp_dir,
 )
+from .pins import pins_path, read_pins, write_pins
 from .records import CONTRACT_VERSION, Phase, RequeueBy, heartbeat_record
 from .snapshots import discard_snapshots, private_snapshot_root, snapshot_root
 
@@ -142,6 +143,9 @@ __all__ = [
     "fault_rate_path",
     "check_member",
     "checkpoint_name",
+    "pins_path",
+    "read_pins",
+    "write_pins",
     "checkpoint_tmp",
     "checkpoints_dir",
     "consolidate_log_path",

@@ -22,6 +22,7 @@ Run folder layout (one per experiment)::
         launches/<launch>/stacks/     stack traces of every rank, taken before a hung generation is killed
         logs/rank-<r>.log             stdout and stderr of each rank, all launches
         checkpoints/                  sharded checkpoints (see ``contract.checkpoint``)
+        pins/<owner>.json             checkpoints kept past keep_last (see ``contract.pins``)
         weights/                      full weights consolidated from the final checkpoint
         cancel                        present: the local executor stops the task
 """

@@ -58,7 +58,8 @@ Instrument = Annotated[bool, Field(
     "orchestrate's callback, with no change to the program: heartbeats with step and loss, save and requeue on "
     "the checkpoint signal, committed checkpoints, resume from the newest. A bootstrap that the rank's own "
     "interpreter imports first (any virtual environment) does it once `transformers.trainer` is imported; a "
-    "program that never imports it, or adds the callback itself, runs as it is. false: no bootstrap.",
+    "program that never imports it, or adds the callback itself, runs as it is. Trainer arguments that name no "
+    "DeepSpeed or FSDP settings get `engine: {kind: deepspeed}` as their `deepspeed` config. false: no bootstrap.",
 )]
 
 
@@ -101,8 +102,10 @@ class CommandModel(Strict):
         "A relative argv[0] with a '/' is taken from `cwd`. argv[0] `python` or `python3` is the "
         "agent's own interpreter, so the ranks use the environment orchestrate runs in. Each rank gets the "
         "torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and "
-        "ORCHESTRATE_DEEPSPEED_CONFIG; do not put `torchrun` in argv: the agent is the launcher. A wrapper "
-        "script must `exec` the program, so signals reach it.",
+        "ORCHESTRATE_DEEPSPEED_CONFIG. The agent is the launcher: with `instrument` on, a `torchrun` or "
+        "`accelerate launch` in argv (or a tool that calls one, such as `trl sft`) runs, in each rank, the "
+        "program it would start; `deepspeed` (ssh) is refused. A wrapper script must `exec` the program, so "
+        "signals reach it.",
     )
     cwd: slurmtext.OptionalPath = Field(
         None, description="Working folder of the ranks (relative paths in argv start here); default: the spec's folder."

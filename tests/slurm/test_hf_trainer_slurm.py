@@ -3,7 +3,8 @@ callback: DDP), or with the callback added by hand (which it then gets once: Dee
 as a user runs it: preempted on the real local cluster and requeued, it ends with the per-step losses of an
 uninterrupted run, bit for bit (DDP and DeepSpeed ZeRO-2); its ledger shows the attempts,
 losses and eval losses; its final checkpoint consolidates into a folder PEFT loads; a damaged
-newest checkpoint is skipped on resume."""
+newest checkpoint is skipped on resume; a script that names no DeepSpeed config trains with
+the spec's."""
 
 import json
 import re
@@ -38,7 +39,8 @@ env: {{ORCHESTRATE_FAULT_SLOW_STEP_S: "{slow}"}}
 # a tiny model trains a step in ~20 ms: each sleeps 0.1 s more (asleep: no CPU, the same
 # losses), so that the preemption lands mid-run whatever the machine's speed
 STEPS, SLOW_S = 100, 0.1
-ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed, --callback")}
+ENGINES = {"ddp": ("{kind: ddp}", ""), "zero2": ("{kind: deepspeed, stage: 2}", ", --deepspeed, --callback"),
+           "zero2-handed": ("{kind: deepspeed, stage: 2}", "")}  # no --deepspeed: the bootstrap hands the spec's over
 ADDED = "orchestrate: OrchestrateCallback added to Trainer (model.instrument)"  # the bootstrap's line in a rank's log
 KEPT = "orchestrate: Trainer has the program's own OrchestrateCallback: none added"
 
@@ -148,6 +150,25 @@ def test_instrument_false_runs_the_trainer_script_as_it_is(home, tmp_path, tiny_
     assert "orchestrate: " not in contract.log_path(tdir, 0).read_text().replace("orchestrate agent:", "")
 
 
+def test_a_trainer_script_without_deepspeed_settings_trains_with_the_specs_engine(home, tmp_path, tiny_model, data):
+    # the same script and spec (engine deepspeed, stage 2), once naming no DeepSpeed config
+    # (handed over by the bootstrap) and once passing orchestrate's by hand (its own): the
+    # same DeepSpeed run, loss for loss, and an event that says which config won
+    runs = {}
+    for engine in ("zero2-handed", "zero2"):
+        exp = local_run(home, spec(tmp_path, engine, tiny_model, data, engine, steps=20, save=10))
+        assert exp["state"] == "COMPLETED", exp
+        tdir = contract.task_dir(exp["run_dir"], 0)
+        final = contract.read_manifest(contract.checkpoints_dir(tdir) / contract.checkpoint_name(20))
+        assert final["engine"] == "deepspeed" and any(n.startswith("global_step") for n in final["files"]), final["files"]
+        said = [e["cause"] for e in Ledger.open(home / "ledger.db").events(exp["id"]) if e["kind"] == "trainer.engine"]
+        runs[engine] = by_step(tdir), said
+    handed, own = runs["zero2-handed"], runs["zero2"]
+    assert sorted(handed[0]) == list(range(1, 21)) and [r["loss"] for r in handed[0].values()] == [r["loss"] for r in own[0].values()]
+    assert handed[1] and all("handed to the Trainer as TrainingArguments.deepspeed" in c for c in handed[1]), handed[1]
+    assert own[1] and all("trains with its own DeepSpeed config" in c for c in own[1]), own[1]
+
+
 def test_a_damaged_newest_trainer_checkpoint_is_skipped_on_resume(home, tmp_path, tiny_model, data):
     # one rank: skipping and checking are the same on any number (the preemption tests run 2)
     first = local_run(home, spec(tmp_path, "first", tiny_model, data, steps=30, save=10, ranks=1))
@@ -212,3 +233,36 @@ def test_an_accelerate_loop_with_the_helper_resumes_bitwise_after_a_requeue(home
     final = contract.checkpoints_dir(contract.task_dir(exp["run_dir"], 1)) / contract.checkpoint_name(60)
     manifest = contract.read_manifest(final)
     assert manifest["state_format"] == "accelerate" and manifest["fingerprint"]["params"] and manifest["loss"] == resumed[60]
+
+
+def test_load_best_model_at_end_keeps_and_loads_the_trainers_best_past_keep_last(home, tmp_path, tiny_model, data):
+    # keep_last 2, and a best that is not among the last two: by the highest eval loss (the first
+    # evaluation's, as training lowers it). The best checkpoint is pinned, so rotation
+    # spares it; the Trainer loads it at the end from its committed folder
+    final = tmp_path / "final"
+    path = spec(tmp_path, "best", tiny_model, data, steps=50, save=10)
+    path.write_text(path.read_text().replace('"2"]', f'"2", --load-best, max, --final, {final}]'))
+    exp = local_run(home, path)
+    assert exp["state"] == "COMPLETED", exp
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    evals = {s: r["eval_loss"] for s, r in by_step(tdir).items() if r["eval_loss"] is not None}
+    best = max(evals, key=evals.get)
+    assert sorted(evals) == [10, 20, 30, 40, 50] and best < 40, evals
+    assert [s for s, _ in contract.committed_checkpoints(tdir)] == [50, 40, best]  # keep_last 2, and the pinned best
+    assert list(contract.read_pins(tdir)) == [best] and "the Trainer's best checkpoint (eval_loss" in contract.read_pins(tdir)[best]
+    listed = json.loads(cli("ckpt", "list", str(tdir), "--json", home=home).stdout)
+    assert [c["step"] for c in listed if c["pinned"]] == [best]
+
+    from safetensors.torch import load_file
+
+    loaded = load_file(final / "adapter_model.safetensors")
+    best_weights = load_file(contract.checkpoints_dir(tdir) / contract.checkpoint_name(best) / "adapter_model.safetensors")
+    last_weights = load_file(contract.checkpoints_dir(tdir) / contract.checkpoint_name(50) / "adapter_model.safetensors")
+    assert all(loaded[k].equal(best_weights[k]) for k in best_weights)
+    assert not all(loaded[k].equal(last_weights[k]) for k in last_weights)
+
+    # ckpt prune keeps it too, unless asked
+    assert cli("ckpt", "prune", str(tdir), "--keep", "1", home=home).returncode == 0
+    assert [s for s, _ in contract.committed_checkpoints(tdir)] == [50, best]
+    assert cli("ckpt", "prune", str(tdir), "--keep", "1", "--include-pinned", home=home).returncode == 0
+    assert [s for s, _ in contract.committed_checkpoints(tdir)] == [50]

@@ -1,4 +1,5 @@
-"""Rotation: the committed checkpoints past ``keep_last`` are renamed out of the way at
+"""Rotation: the committed checkpoints past ``keep_last``, but for the pinned ones
+(``contract.pins``: the best by an evaluation, the Trainer's best), are renamed out of the way at
 once and deleted on a thread (deleting gigabytes holds training up for a while). A
 process cut short leaves ``.trash-`` folders that the next start removes; nothing is
 ever deleted through a symbolic link.
@@ -22,7 +23,10 @@ class Rotation:
         """Rank 0, after a commit: discard the checkpoints past ``keep_last``."""
         self.wait()
         trash = []
-        for _, folder in contract.committed_checkpoints(self.task_dir)[self.keep_last:]:
+        pinned = contract.read_pins(self.task_dir)
+        for step, folder in contract.committed_checkpoints(self.task_dir)[self.keep_last:]:
+            if step in pinned:
+                continue
             try:
                 trash.append(contract.discard_checkpoint(folder, remove=False))
             except contract.UnsafeDeletion as exc:  # kept: never deleted through a link

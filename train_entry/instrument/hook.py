@@ -1,7 +1,11 @@
 """What the bootstrap does once ``transformers.trainer`` is imported: every ``Trainer``
 built from then on (TRL's, Axolotl's, LLaMA-Factory's subclasses alike, since they run
 ``Trainer.__init__``) carries ``OrchestrateCallback``, unless the program added it itself,
-and so ``Trainer.train`` resumes from the newest committed checkpoint by default."""
+and so ``Trainer.train`` resumes from the newest committed checkpoint by default.
+
+And once ``transformers.training_args`` is: every ``TrainingArguments`` (TRL's ``SFTConfig``
+and the like run its ``__post_init__``) that names no DeepSpeed or FSDP settings gets the
+spec's DeepSpeed engine, before its own ``__post_init__`` reads it (``trainer_engine``)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,25 @@ def instrument(trainer_module) -> None:
 
     setattr(__init__, _MARK, True)
     trainer.__init__ = __init__
+
+
+def instrument_args(training_args_module) -> None:
+    """Wrap ``TrainingArguments.__post_init__`` (once). Nothing of transformers is imported
+    here: this runs while ``transformers.trainer`` may be importing this very module."""
+    from train_entry.integrations import trainer_engine
+
+    cls = training_args_module.TrainingArguments
+    if getattr(cls.__post_init__, _MARK, False):
+        return
+    original = cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        trainer_engine.hand_over(self)
+        return original(self, *args, **kwargs)
+
+    setattr(__post_init__, _MARK, True)
+    cls.__post_init__ = __post_init__
 
 
 def add_callback(trainer) -> None:

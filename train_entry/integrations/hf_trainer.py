@@ -22,10 +22,12 @@ The callback then:
   event; an explicit path (or ``False``, a fresh start) wins. Before the first step the
   loaded trainable parameters are checked against the fingerprint the checkpoint recorded.
 
-DeepSpeed: pass ``TrainingArguments(deepspeed=deepspeed_config())``: the config orchestrate
-rendered from the spec (``engine: {kind: deepspeed, stage: 2}``), with the batch sizes and
-clipping the Trainer takes from its own arguments left to it (``"auto"``). On CPU this also
-skips DeepSpeed's shared-memory op build, which only inference uses.
+DeepSpeed: an instrumented program that names no DeepSpeed or FSDP settings of its own gets
+the spec's (``engine: {kind: deepspeed, stage: 2}``) as ``TrainingArguments.deepspeed``
+(``trainer_engine``); by hand, pass ``TrainingArguments(deepspeed=deepspeed_config())``: the
+config orchestrate rendered, with the batch sizes and clipping the Trainer takes from its
+own arguments left to it (``"auto"``). On CPU this also skips DeepSpeed's shared-memory op
+build, which only inference uses.
 
 Outside orchestrate (no task folder in the environment) the callback does nothing, so the
 same script still runs under plain ``torchrun``.
@@ -45,41 +47,12 @@ from orchestrator import contract
 from orchestrator.contract import envvars
 
 from train_entry import faults
-from train_entry.integrations import common
+from train_entry.integrations import common, trainer_engine
+from train_entry.integrations.trainer_engine import deepspeed_config
+
+__all__ = ["OrchestrateCallback", "deepspeed_config", "settings_notes"]
 
 STATE_FORMAT = "hf-trainer"  # a Trainer checkpoint-N folder as it is, plus the manifest
-# what the Trainer fills from its TrainingArguments: the spec's values would only disagree with them
-_TRAINER_OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
-
-
-def deepspeed_config() -> dict | None:
-    """The DeepSpeed config orchestrate rendered for this task (``engine: deepspeed``), for
-    ``TrainingArguments(deepspeed=...)``; None for another engine or outside orchestrate."""
-    task_dir = os.environ.get(envvars.TASK_DIR)
-    if not task_dir:
-        return None
-    cfg = contract.TaskConfig.load(task_dir)
-    if cfg.deepspeed_config is None:
-        return None
-    if os.environ.get("ORCHESTRATE_DEVICE", "cpu") == "cpu" and not _cuda():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import torch
-
-        from train_entry.engines.deepspeed import skip_unneeded_op_builds
-
-        skip_unneeded_op_builds(torch.device("cpu"))
-    ds = contract.thaw(cfg.deepspeed_config)
-    ds.pop("optimizer", None)  # the Trainer makes its own (TrainingArguments.optim)
-    ds.pop("scheduler", None)
-    for key in _TRAINER_OWNED:
-        ds[key] = "auto"
-    return ds
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 class OrchestrateCallback(TrainerCallback):
@@ -113,9 +86,6 @@ class OrchestrateCallback(TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         if not self.active:
             return
-        if args.load_best_model_at_end:
-            raise ValueError("OrchestrateCallback: load_best_model_at_end is not supported: checkpoint-N folders move "
-                             "into orchestrate's checkpoints/step-N once committed; leave it False")
         self._ensure_run()
 
     def resume_argument(self, given):
@@ -137,11 +107,15 @@ class OrchestrateCallback(TrainerCallback):
         if not self.active:
             return
         run = self._ensure_run()
-        self.deepspeed = bool(args.deepspeed)
+        self.deepspeed = bool(args.deepspeed) or getattr(args, "hf_deepspeed_config", None) is not None
         if (notes := settings_notes(args, run.task_dir)):
             run.event("trainer.settings", "; ".join(notes))
+        if trainer_engine.notes:
+            run.event("trainer.engine", "; ".join(trainer_engine.notes))
         if self.resumed_from is not None:  # the Trainer has loaded it by now
             common.check_resumed(run, self.resumed_from, model)
+        if args.load_best_model_at_end:  # the resumed state names a checkpoint-N folder that has moved
+            self._point_at_best(state)
         self._step_started = time.time()
         run.beat(state.global_step, contract.Phase.TRAIN, force=True)
 
@@ -189,9 +163,40 @@ class OrchestrateCallback(TrainerCallback):
                 "adapter": os.path.exists(src / "adapter_config.json")}
         if step in self._losses:
             meta["loss"] = self._losses[step]
+        if args.load_best_model_at_end:
+            self._pin_best(args, state, step)  # before the commit: its rotation must spare the best
         common.commit_saved(self.run, step, src, model, meta)
+        if args.load_best_model_at_end:
+            self._point_at_best(state)
         if self.stopping:
             self.run.exit_for_requeue(step)
+
+    # ------------------------------------------------------------ load_best_model_at_end
+
+    def _best_step(self, state) -> int | None:
+        best = getattr(state, "best_global_step", None)  # transformers >= 4.52; before: the folder's name
+        if not best and state.best_model_checkpoint:
+            tail = Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1]
+            best = int(tail) if tail.isdigit() else None
+        return best or None
+
+    def _pin_best(self, args, state, step: int) -> None:
+        """The Trainer's best checkpoint is kept past ``checkpoint.keep_last`` (a pin)."""
+        best = self._best_step(state)
+        if best is None or self.run.rank != 0:
+            return
+        folder = contract.checkpoints_dir(self.run.task_dir) / contract.checkpoint_name(best)
+        if best == step or folder.is_dir():
+            contract.write_pins(self.run.task_dir, "trainer", {best: f"the Trainer's best checkpoint "
+                                f"({args.metric_for_best_model or 'loss'} {state.best_metric}; load_best_model_at_end)"})
+
+    def _point_at_best(self, state) -> None:
+        """``state.best_model_checkpoint``: the committed folder of the best step, where the
+        Trainer loads it from at the end (its own ``checkpoint-N`` has moved there)."""
+        best = self._best_step(state)
+        folder = None if best is None else contract.checkpoints_dir(self.run.task_dir) / contract.checkpoint_name(best)
+        if folder is not None and os.path.lexists(folder / contract.MANIFEST):
+            state.best_model_checkpoint = str(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.active and not self.stopping:

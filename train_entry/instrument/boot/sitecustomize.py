@@ -8,7 +8,9 @@ be another virtual environment's, so it uses the standard library only. It:
    ``sys.path`` (children and the program see what they would see without orchestrate);
 2. runs the ``sitecustomize`` this one hides, if the environment has one;
 3. waits for ``transformers.trainer`` to be imported, and only then loads orchestrate's
-   own code, from the files beside this one, to add its callback to every Trainer;
+   own code, from the files beside this one, to add its callback to every Trainer (and for
+   ``transformers.training_args``, to hand the spec's DeepSpeed engine to arguments that
+   name none);
 4. where the program is a launcher or wraps one (``accelerate launch``, ``torchrun``, and
    the tools that call them: ``trl sft`` in its own process, Axolotl's and LLaMA-Factory's
    CLIs as a child), lets the launcher work out what it would start, then becomes that
@@ -55,7 +57,7 @@ def _chain():
 
 
 def _warn(what, exc):
-    sys.stderr.write("orchestrate: %s (%s: %s); the program runs without orchestrate's callback\n"
+    sys.stderr.write("orchestrate: %s (%s: %s); the program runs on without it\n"
                      % (what, type(exc).__name__, exc))
 
 
@@ -71,15 +73,15 @@ def _ours(name):
     spec.loader.exec_module(module)
 
 
-def _instrument(trainer_module):
+def _instrument(module, what):
     try:
         _ours("orchestrator")
         _ours("train_entry")
         from train_entry.instrument import hook
 
-        hook.instrument(trainer_module)
+        getattr(hook, what)(module)
     except Exception as exc:  # noqa: BLE001 - never the program's failure
-        _warn("could not instrument transformers.Trainer", exc)
+        _warn("could not instrument %s" % module.__name__, exc)
 
 
 def _become(argv, env, said):
@@ -170,10 +172,15 @@ def _intercept_children():
 
 
 def _instrument_trainer(module):
-    _instrument(module)
+    _instrument(module, "instrument")
 
 
-_TARGETS = {"transformers.trainer": _instrument_trainer, "torch.distributed.run": _unwrap_torchrun,
+def _instrument_args(module):
+    _instrument(module, "instrument_args")
+
+
+_TARGETS = {"transformers.trainer": _instrument_trainer, "transformers.training_args": _instrument_args,
+            "torch.distributed.run": _unwrap_torchrun,
             "accelerate.commands.launch": _unwrap_accelerate}
 # run as ``python -m``: runpy executes the module's code as __main__, never through
 # exec_module; this code imports the module (so its hook runs) and calls its entry point

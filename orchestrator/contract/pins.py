@@ -1,0 +1,64 @@
+"""Pinned checkpoints: kept past ``checkpoint.keep_last``, by rotation and ``ckpt prune``.
+
+Who pins a checkpoint writes its own file, ``pins/<owner>.json`` in the task folder
+(``{"steps": {"<step>": "why"}}``, atomically), so that two writers never share one: the
+Hugging Face Trainer's callback pins the Trainer's best checkpoint (``trainer``); the
+evaluation of checkpoints pins the best by a metric (``keep-best``). A pin file is
+untrusted like the rest of the run folder: anything but that shape counts as no pin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from . import safe_read
+from .files import atomic_write_json
+
+PINS_DIR = "pins"
+_OWNER = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+_MAX = 1 << 20
+
+
+def pins_path(tdir: str | os.PathLike, owner: str) -> Path:
+    if not _OWNER.match(owner):
+        raise ValueError(f"pin owner {owner!r}: lower-case letters, digits and '-'")
+    return Path(tdir) / PINS_DIR / f"{owner}.json"
+
+
+def write_pins(tdir: str | os.PathLike, owner: str, steps: dict[int, str]) -> None:
+    """``owner``'s pins, replacing its previous ones (an empty dict removes them all)."""
+    path = pins_path(tdir, owner)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"steps": {str(int(s)): str(why)[:500] for s, why in sorted(steps.items())}})
+
+
+def read_pins(tdir: str | os.PathLike) -> dict[int, str]:
+    """step -> why it is kept, every owner's pins together (owners in name order: the first
+    reason wins)."""
+    out: dict[int, str] = {}
+    folder = Path(tdir) / PINS_DIR
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return out
+    for name in names:
+        if not (name.endswith(".json") and _OWNER.match(name[:-5])):
+            continue
+        for step, why in _owner_pins(folder / name).items():
+            out.setdefault(step, why)
+    return out
+
+
+def _owner_pins(path: Path) -> dict[int, str]:
+    try:
+        data = safe_read.read_capped(path, _MAX, follow=False)
+        steps = json.loads(data.decode("utf-8")).get("steps") if data else None
+    except (safe_read.BadRecord, OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    if not isinstance(steps, dict):
+        return {}
+    return {int(k): v for k, v in steps.items() if isinstance(k, str) and k.isdigit() and len(k) < 10
+            and isinstance(v, str)}
