@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # DeepSpeed builds from source: no ops ahead of time (the engines compile none they need)
 export DS_BUILD_OPS := 0
 
-.PHONY: install quickstart smoke test test-fast docs
+.PHONY: install tools quickstart smoke test test-fast docs
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -20,6 +20,10 @@ install:
 	# and where PYTHONDONTWRITEBYTECODE is set every process (each rank, agent and command)
 	# would compile the modules it imports again (a quarter of a second of a core each)
 	$(PYTHON) -m compileall -q orchestrator train_entry > /dev/null
+
+# the tools that run in a virtual environment of their own (Axolotl), as their docs install them
+tools: install
+	scripts/tool-venvs
 
 # fine-tunes SmolLM2-135M-Instruct with LoRA on 2 processes; held-out score before and after
 quickstart: install
@@ -41,7 +45,7 @@ docs:
 # Each run prints its slowest tests at the end.
 FAST := -m "not multiproc and not slurm"
 
-test: install
+test: install tools
 	scripts/slurm-local up
 	PYTHON=$(PYTHON) scripts/test-suite
 

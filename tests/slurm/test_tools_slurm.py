@@ -4,9 +4,11 @@ launch` on its own script): each rank becomes the script accelerate would start,
 bootstrap gives TRL's SFTTrainer orchestrate's callback. Preempted on the real local
 cluster and requeued, it resumes from the step it saved (not step 0), with an
 uninterrupted run's losses bit for bit; its checkpoints consolidate into an adapter PEFT
-loads."""
+loads. TRL at other versions in a virtual environment of its own, and `axolotl train` in
+Axolotl's, get the same lifecycle."""
 
 import json
+import os
 import re
 import sys
 import time
@@ -141,3 +143,52 @@ def test_trl_in_its_own_environment_at_other_versions_gets_the_lifecycle(home, t
     assert sorted(by_step(tdir)) == list(range(1, 21))
     assert [s for s, _ in contract.committed_checkpoints(tdir)] == [20, 10]
     assert cli("ckpt", "verify", str(contract.checkpoints_dir(tdir) / contract.checkpoint_name(20)), home=home).returncode == 0
+
+
+AXOLOTL = Path(os.environ.get("ORCHESTRATE_TOOLS", Path.home() / ".cache" / "orchestrate" / "tools")) / "axolotl"
+
+
+@pytest.fixture(scope="module")
+def axolotl() -> Path:
+    """Axolotl's own virtual environment, as `scripts/tool-venvs` (`make tools`) makes it."""
+    if not (AXOLOTL / ".orchestrate-ready").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"no Axolotl environment at {AXOLOTL}: `make test` makes it (scripts/tool-venvs)")
+        pytest.skip(f"no Axolotl environment at {AXOLOTL}: run scripts/tool-venvs")
+    return AXOLOTL
+
+
+def test_axolotl_train_in_its_own_environment_gets_the_lifecycle(home, tmp_path, tiny_model, data, axolotl):
+    # the example as its comments run it (configs/axolotl_lora.yaml and Axolotl's own config),
+    # on the tiny model: `axolotl train` execs `accelerate launch`, which the rank becomes the
+    # training module of; Axolotl's Trainer gets the callback; its checkpoints are committed
+    # and consolidate into an adapter PEFT loads
+    work = tmp_path / "work"
+    work.mkdir()
+    own = (REPO / "configs" / "axolotl-smollm2-lora.yml").read_text()
+    own = own.replace("base_model: models/SmolLM2-135M-Instruct", f"base_model: {tiny_model}")
+    own = own.replace("path: data/orders/train.jsonl", f"path: {data / 'train.jsonl'}")
+    own = own.replace("max_steps: 40", "max_steps: 20").replace("save_steps: 10", "save_steps: 5")
+    (work / "axolotl-smollm2-lora.yml").write_text(own)
+    text = (REPO / "configs" / "axolotl_lora.yaml").read_text()
+    text = text.replace("cwd: ~/.cache/orchestrate", f"cwd: {work}").replace("tools/axolotl/bin/axolotl", f"{axolotl}/bin/axolotl")
+    text = text.replace("steps: 40", "steps: 20")
+    out = cli("submit", str(write(tmp_path / "axolotl.yaml", text)), "--executor", "local", "--wait", "--json", home=home,
+              timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exp = json.loads(out.stdout)["experiments"][0]
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    log = contract.log_path(tdir, 0).read_text()
+    assert exp["state"] == "COMPLETED" and exp["tasks"][0]["step"] == 20, (exp, log[-3000:])
+    # Axolotl's interpreter, from its environment (found through its PATH), ran its training module
+    assert f"accelerate launch would start {axolotl}/bin/python -m axolotl.cli.train" in log, log[-3000:]
+    assert "orchestrate: OrchestrateCallback added to AxolotlTrainer (model.instrument)" in log
+    assert sorted(by_step(tdir)) == list(range(1, 21)) and all(m["loss"] is not None for m in metrics(tdir))
+    assert [s for s, _ in contract.committed_checkpoints(tdir)] == [20, 15]
+    final = contract.checkpoints_dir(tdir) / contract.checkpoint_name(20)
+    manifest = contract.read_manifest(final)
+    assert manifest["state_format"] == "hf-trainer" and manifest["adapter"] is True
+    assert not list((work / "axolotl-out").glob("checkpoint-*"))  # moved into checkpoints/, committed
+    res = cli("ckpt", "consolidate", str(tdir), "--out", str(tmp_path / "adapter"), home=home)
+    assert res.returncode == 0, res.stderr
+    adapter_loads_as(tiny_model, tmp_path / "adapter", final)

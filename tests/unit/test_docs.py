@@ -16,6 +16,7 @@ import io
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,8 +184,22 @@ def test_every_config_named_exists_and_validates(tmp_path, request):
             extra += ["--set", f"model.path={made['model']}"] if missing_model else []
             extra += ["--set", f"data.path={made['data']}"] if missing_data else []
         cwd = model.get("cwd")  # a command's working folder: made by the set-up the config's comments give
-        if model.get("kind") == "command" and cwd and not Path(os.path.expanduser(cwd)).is_dir():
-            extra += ["--set", f"model.cwd={tmp_path}"]
+        if model.get("kind") == "command" and cwd:
+            # (the tool's own config the comments copy there: configs/axolotl-smollm2-lora.yml)
+            copied = [a for a in model["argv"][1:] if "/" not in a and (REPO / "configs" / a).is_file()]
+            made = copied + [model["argv"][0]] if "/" in model["argv"][0] else copied  # (a tool's environment)
+            real = Path(os.path.expanduser(cwd))
+            if not all((real / a).is_file() for a in made):
+                stand_in = tmp_path / f"cwd-{path.stem}"
+                for a in made:
+                    (stand_in / a).parent.mkdir(parents=True, exist_ok=True)
+                    if a in copied:
+                        shutil.copy(REPO / "configs" / a, stand_in / a)
+                    else:
+                        (stand_in / a).write_text("#!/bin/sh\n")
+                        (stand_in / a).chmod(0o755)
+                stand_in.mkdir(exist_ok=True)
+                extra += ["--set", f"model.cwd={stand_in}"]
         argv = ["--home", str(tmp_path / "home"), "validate", str(path), *extra]
         for item in overrides:
             argv += ["--set", item]

@@ -1,3 +1,4 @@
+import os
 import signal
 import subprocess
 
@@ -6,6 +7,7 @@ import pytest
 from orchestrator import contract
 from train_entry import env
 from train_entry.agent import launch_exit_code, worker_env
+from train_entry.agent.ranks import command_argv
 
 SLURM = {
     "SLURM_JOB_ID": "4242",
@@ -65,6 +67,25 @@ def test_worker_env_ranks():
     assert e["OMP_NUM_THREADS"] == "3" and "SUBMITIT_X" not in e
     rc = env.rank_context(e)
     assert rc.rank == 3 and rc.world_size == 4 and rc.launch == "4240_2.1"
+
+
+def test_a_tools_console_script_runs_with_its_virtual_environment_activated(tmp_path):
+    import venv
+
+    folder = tmp_path / "tools" / "axolotl"
+    venv.EnvBuilder(with_pip=False).create(folder)
+    (folder / "bin" / "axolotl").write_text("#!/bin/sh\n")
+    ctx = env.node_context(SLURM)
+    for argv0, cwd in ((str(folder / "bin" / "axolotl"), None), ("tools/axolotl/bin/axolotl", str(tmp_path))):
+        cfg = task_config(model={"kind": "command", "argv": [argv0, "train", "c.yml"], "cwd": cwd})
+        e = worker_env({"PATH": "/usr/bin:/bin"}, cfg, ctx, 0, "10.0.0.1", 29500, "1_0.0")
+        assert e["PATH"] == f"{folder}/bin:/usr/bin:/bin" and e["VIRTUAL_ENV"] == str(folder), e["PATH"]
+    # a program that is not in a virtual environment's bin/: the environment as it is
+    for argv0 in ("trl", "/usr/bin/env", str(tmp_path / "tools" / "axolotl" / "pyvenv.cfg")):
+        cfg = task_config(model={"kind": "command", "argv": [argv0]})
+        e = worker_env({"PATH": "/usr/bin:/bin"}, cfg, ctx, 0, "10.0.0.1", 29500, "1_0.0")
+        assert e["PATH"] == "/usr/bin:/bin" and "VIRTUAL_ENV" not in e
+    assert command_argv({"argv": ["~/venv/bin/trl", "~/x"]}) == [os.path.expanduser("~/venv/bin/trl"), "~/x"]
 
 
 def test_launch_exit_code_blames_the_first_failure():

@@ -89,6 +89,18 @@ def test_every_trainer_gets_the_callback_once(tmp_path):
     assert plain.returncode == 0 and plain.stdout.split() == ["0", "0", "1"], plain.stderr
 
 
+def test_a_program_that_execs_another_stays_instrumented_and_sees_its_own_environment(tmp_path):
+    # Axolotl's CLI replaces itself with `accelerate launch` (os.execvpe): the same process, the same rank
+    env = base_env(PYTHONPATH=str(FAKE))
+    env.pop("ORCHESTRATE_TASK_DIR", None)
+    hop = f"import os, sys\nos.execvpe(os.path.basename(sys.executable), [sys.executable, '-c', {BUILD!r}], os.environ)"
+    out = run(hop, instrument.with_bootstrap(env), tmp_path)
+    assert out.returncode == 0 and out.stdout.split() == ["1", "1", "1"], out.stderr
+    seen = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {SEEN!r}])"
+    booted, plain = run(seen, instrument.with_bootstrap(env), tmp_path), run(seen, env, tmp_path)
+    assert json.loads(booted.stdout) == json.loads(plain.stdout), booted.stderr
+
+
 def test_a_failure_to_instrument_never_stops_the_program(tmp_path):
     # another virtual environment, without torch: orchestrate's callback cannot load there,
     # the program runs uninstrumented and says so

@@ -5,7 +5,9 @@ could not start, and the launch's exit code from the ranks' own.
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.contract import ExitCode, envvars
@@ -39,6 +41,9 @@ def worker_env(base: dict, cfg: contract.TaskConfig, ctx: NodeContext, local_ran
         env[envvars.DEEPSPEED_CONFIG] = str(contract.deepspeed_config_path(cfg.task_dir))
     env.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
     env.update(tracker_env(env, cfg.experiment_id, cfg.index, cfg.task_dir))  # the same tracked run on every launch
+    if cfg.model.get("kind") == "command" and (venv := virtual_env(command_argv(cfg.model)[0], cfg.model.get("cwd"))):
+        env["VIRTUAL_ENV"] = str(venv)  # as `source VENV/bin/activate` does: the tool's own launcher is found
+        env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", os.defpath)
     if cfg.model.get("kind") in ("command", "script") and cfg.model.get("instrument", True):
         env = instrument.with_bootstrap(env)  # the program's Trainers get orchestrate's callback
     return env
@@ -46,11 +51,24 @@ def worker_env(base: dict, cfg: contract.TaskConfig, ctx: NodeContext, local_ran
 
 def command_argv(model) -> list[str]:
     """``model.kind: command``'s argv; `python`/`python3` is the agent's own interpreter,
-    so the ranks run in the environment orchestrate runs in."""
+    so the ranks run in the environment orchestrate runs in; ``~/`` is the home folder."""
     argv = list(model["argv"])
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
+    elif argv[0].startswith("~/"):
+        argv[0] = os.path.expanduser(argv[0])
     return argv
+
+
+def virtual_env(program: str, cwd: str | None) -> Path | None:
+    """The virtual environment whose ``bin/`` holds ``program`` (a tool's console script,
+    ``VENV/bin/axolotl``), which then runs as if that environment were activated: the
+    programs it starts by name (Axolotl's ``accelerate``) are that environment's."""
+    if os.sep not in program:
+        return None
+    path = Path(os.path.expanduser(cwd or ".")) / program
+    venv = path.parent.parent
+    return venv if path.parent.name == "bin" and (venv / "pyvenv.cfg").is_file() else None
 
 
 def launch_exit_code(codes: dict[int, int | None], first_failed: int | None) -> int:

@@ -11,7 +11,8 @@ be another virtual environment's, so it uses the standard library only. It:
    own code, from the files beside this one, to add its callback to every Trainer (and for
    ``transformers.training_args``, to hand the spec's DeepSpeed engine to arguments that
    name none);
-4. where the program is a launcher or wraps one (``accelerate launch``, ``torchrun``, and
+4. stays with the rank when the program replaces itself (exec) with another;
+5. where the program is a launcher or wraps one (``accelerate launch``, ``torchrun``, and
    the tools that call them: ``trl sft`` in its own process, Axolotl's and LLaMA-Factory's
    CLIs as a child), lets the launcher work out what it would start, then becomes that
    process itself (exec, same pid, this rank's torchrun variables, this bootstrap again):
@@ -86,17 +87,38 @@ def _instrument(module, what):
 
 def _become(argv, env, said):
     """This process becomes ``argv``, as this rank (``said``: why, for the rank's log)."""
-    env = dict(env)
+    env = _booted(env)
     env.update(_AGENT_ENV)
-    own = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != _HERE)
-    env[_SAVED] = own if "PYTHONPATH" in env else "-"  # the next program gets its own back, and is instrumented too
-    env["PYTHONPATH"] = _HERE if not own else _HERE + os.pathsep + own
     sys.stderr.write("orchestrate: %s; this rank runs it itself (the node agent is the launcher, one process per rank)\n"
                      % said)
     sys.stdout.flush()
     sys.stderr.flush()
     program = argv[0] if os.sep in argv[0] else _which(argv[0], env)
-    os.execve(program, argv, env)
+    _EXECVE(program, argv, env)
+
+
+def _booted(env):
+    """``env`` with this bootstrap first on PYTHONPATH, and the program's own saved."""
+    env = dict(env)
+    own = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != _HERE)
+    env[_SAVED] = own if "PYTHONPATH" in env else "-"  # the next program gets its own back, and is instrumented too
+    env["PYTHONPATH"] = _HERE if not own else _HERE + os.pathsep + own
+    return env
+
+
+_EXECVE = os.execve
+
+
+def _intercept_exec():
+    """A program that replaces itself (exec: Axolotl's ``os.execvpe("accelerate", ...)``) is
+    still this rank, the same process: the program it becomes is instrumented too. ``os``'s
+    other exec functions all end in these two."""
+    def execve(path, args, env):
+        return _EXECVE(path, args, _booted(env))
+
+    def execv(path, args):
+        return _EXECVE(path, args, _booted(os.environ))
+    os.execve, os.execv = execve, execv
 
 
 def _which(name, env):
@@ -125,15 +147,17 @@ def _unwrap_torchrun(module):
 
 
 def _unwrap_accelerate(module):
-    """``accelerate launch``'s single-process launcher starts its command through this."""
-    if not hasattr(module, "_run_subprocess"):
-        sys.stderr.write("orchestrate: this accelerate has no _run_subprocess: `accelerate launch` runs as it is\n")
+    """``accelerate launch``'s single-process launcher (``simple_launcher``, in every release
+    since 0.2x: it asks ``prepare_simple_launcher_cmd_env`` what to start, then starts it)."""
+    if not hasattr(module, "simple_launcher") or not hasattr(module, "prepare_simple_launcher_cmd_env"):
+        sys.stderr.write("orchestrate: this accelerate has no simple_launcher: `accelerate launch` runs as it is\n")
         return
 
-    def run_subprocess(cmd, env, *args, **kwargs):
+    def simple_launcher(args):
+        cmd, env = module.prepare_simple_launcher_cmd_env(args)
         argv = [str(c) for c in cmd]
         _become(argv, env, "accelerate launch would start " + " ".join(argv))
-    module._run_subprocess = run_subprocess
+    module.simple_launcher = simple_launcher
 
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch")
@@ -236,3 +260,4 @@ except Exception as exc:  # noqa: BLE001 - the environment's own hook failing is
     sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(exc).__name__, exc))
 sys.meta_path.insert(0, _Finder())
 _intercept_children()
+_intercept_exec()
