@@ -21,6 +21,10 @@ def cmd_ckpt(args) -> int:
     if args.ckpt_command == "verify":
         return _verify(args)
     path, owner = _ckpt_target(access.home_dir(args.home), args.target)
+    if args.ckpt_command == "eval":
+        from orchestrator.cli.eval_cmd import evaluate  # loads models: only this command pays for it
+
+        return evaluate(args, path)
     if args.ckpt_command == "list":
         return _list(args, path)
     return _prune(args, path, owner)

@@ -120,6 +120,19 @@ def _add_ckpt(sub) -> None:
                    "for checkpoints of model kind hf (they hold hf.json); --no-hf: the tensors under the checkpoint's names")
     c.add_argument("--base", metavar="FOLDER", help="with --hf: the base model folder, if it is no longer where the "
                    "checkpoint's hf.json says (it must still be the same model: its fingerprint is checked)")
+    c = ck.add_parser("eval", help="evaluate checkpoints by generation: greedy answers to prompts, scored against "
+                      "references (each result in the task's evals/step-N/)")
+    c.add_argument("target", help="experiment id or name, run folder, task folder, or a checkpoint folder")
+    c.add_argument("--prompts", required=True, metavar="FILE", help="JSONL: chats ending with the reference answer "
+                   "(a held-out split as it is), or {\"prompt\", \"reference\"}")
+    c.add_argument("--all", action="store_true", help="every good checkpoint, in step order (default: the newest of each task)")
+    c.add_argument("--again", action="store_true", help="evaluate checkpoints that have a result already")
+    c.add_argument("--metric", action="append", default=None, choices=["exact_match", "contains"],
+                   help="exact_match (default), contains; repeat for both")
+    c.add_argument("--score", metavar="MODULE:FUNCTION", help="your own metric: a function (answer, reference, prompt) "
+                   "-> number, importable from here")
+    c.add_argument("--max-new-tokens", type=int, default=None, help="default: a few past the longest reference")
+    c.add_argument("--json", action="store_true", help="the results as JSON")
     c = ck.add_parser("prune", help="delete all but the newest K good checkpoints of each task, and the pinned ones")
     c.add_argument("target", help="experiment id or name, run folder, task folder, or checkpoints folder")
     c.add_argument("--keep", type=int, required=True, metavar="K")

@@ -23,6 +23,8 @@ Run folder layout (one per experiment)::
         logs/rank-<r>.log             stdout and stderr of each rank, all launches
         checkpoints/                  sharded checkpoints (see ``contract.checkpoint``)
         pins/<owner>.json             checkpoints kept past keep_last (see ``contract.pins``)
+        evals/step-<N>/result.json    the evaluation of checkpoint step N (records.EVAL_RESULT), written last
+        evals/step-<N>/model/         the checkpoint exported for it (Hugging Face folder)
         weights/                      full weights consolidated from the final checkpoint
         cancel                        present: the local executor stops the task
 """
@@ -84,6 +86,15 @@ def log_path(tdir: PathLike, rank: int) -> Path:
 
 def checkpoints_dir(tdir: PathLike) -> Path:
     return Path(tdir) / "checkpoints"
+
+
+def eval_dir(tdir: PathLike, step: int) -> Path:
+    """The evaluation of the committed checkpoint of ``step``: its export and its result."""
+    return Path(tdir) / "evals" / f"step-{int(step):09d}"
+
+
+def eval_result_path(tdir: PathLike, step: int) -> Path:
+    return eval_dir(tdir, step) / "result.json"
 
 
 def weights_dir(tdir: PathLike) -> Path:

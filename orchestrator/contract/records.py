@@ -11,7 +11,8 @@ import os
 import time
 
 from .codes import TextEnum
-from .safe_read import NAME_MAX, Schema, count, duration, flag, integer, items, launch_name, lenient, name, nullable, number, path_text, text
+from .safe_read import (NAME_MAX, Schema, count, duration, flag, integer, items, launch_name, lenient, name, nullable, number,
+                        number_map, path_text, text, text_fields)
 
 CONTRACT_VERSION = 1
 
@@ -118,6 +119,15 @@ TRAINER_EVENT = Schema(
      "launch": lenient(launch_name), "generation": lenient(count), "blocked_s": lenient(duration), "total_s": lenient(duration),
      "load_s": lenient(duration), "startup_s": lenient(duration), "seconds": lenient(duration)},
     defaults={"event": "trainer", "cause": ""},
+)
+# an evaluation of one committed checkpoint (layout.eval_result_path), written last by the
+# evaluation: its metrics, and a few of its answers to read
+EVAL_RESULT = Schema(
+    "evaluation result",
+    {"step": count, "kind": name, "metrics": number_map(), "n": count, "seconds": duration, "checkpoint": name,
+     "samples": lenient(items(text_fields(("prompt", "reference", "answer"), 2000), 20)),
+     "time": number},
+    required=("step", "kind", "metrics"),
 )
 # the watcher's fault rate for a task (layout.fault_rate_path): what ``every_steps: auto`` sizes
 # its interval by; ``mtbf_s`` null: no rate known (an older watcher)

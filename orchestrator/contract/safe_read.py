@@ -266,6 +266,33 @@ def items(check: Check, limit: int = ITEMS_MAX) -> Check:
     return each
 
 
+def number_map(limit: int = 64) -> Check:
+    """Names (letters, digits, '_', '.', '-') to finite numbers: metrics."""
+    def each(value: Any) -> dict:
+        if type(value) is not dict:
+            raise BadRecord(f"expected an object, got {_type_name(value)}")
+        if len(value) > limit:
+            raise BadRecord(f"has more than {limit} entries")
+        out = {}
+        for key, v in value.items():
+            if not _SAFE_KEY.fullmatch(key) or len(key) > 64:
+                raise BadRecord(f"{cut(key, 64)!r} is not a metric name (letters, digits, '_', '.', '-')")
+            out[key] = number(v)
+        return out
+
+    return each
+
+
+def text_fields(keys: tuple[str, ...], limit: int) -> Check:
+    """An object of free-text fields ``keys`` (each cut to ``limit``; absent: ""), the rest dropped."""
+    def each(value: Any) -> dict:
+        if type(value) is not dict:
+            raise BadRecord(f"expected an object, got {_type_name(value)}")
+        return {k: cut(_utf8(_string(value.get(k, ""))), limit) for k in keys}
+
+    return each
+
+
 @dataclass(frozen=True)
 class Schema:
     """One record kind: its fields and their checks. A record is a JSON object; a field

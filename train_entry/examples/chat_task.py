@@ -73,25 +73,11 @@ def write(folder: str | Path, n_train: int = 400, n_heldout: int = 40, seed: int
 
 
 def answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int = 32, batch: int = 8) -> list[str]:
-    """Greedy answers, ``batch`` prompts at a time, padded on the left with the attention
-    mask keeping the padding out (the same answers as one at a time, several times faster
-    on a CPU: one pass over the weights serves the batch)."""
-    import torch
+    """Greedy answers to chats (``checkpoint_eval.generate.answers``: batched, padded on the left)."""
+    from train_entry.checkpoint_eval import Prompt
+    from train_entry.checkpoint_eval.generate import answers as generated
 
-    out = []
-    model.eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    try:
-        for i in range(0, len(prompts), batch):
-            texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts[i:i + batch]]
-            ids = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # the template has them
-            with torch.no_grad():
-                gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-            out += [tokenizer.decode(g[ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() for g in gen]
-    finally:
-        tokenizer.padding_side = side
-    return out
+    return generated(model, tokenizer, [Prompt(tuple(m), None, "") for m in prompts], max_new_tokens, batch)
 
 
 def read(data: str | Path) -> list[dict]:

@@ -1,0 +1,109 @@
+"""`orchestrate ckpt eval`: committed checkpoints of a LoRA fine-tune (model kind hf) are
+exported and evaluated by generation, by hand: greedy answers to a prompts file, scored by
+exact match, containment and a function of the user's; each result is written last into the
+task's evals/step-N/ and read back as complete; a second run redoes nothing; a damaged
+checkpoint is said and skipped, and the others go on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cli, write
+from orchestrator import contract
+from orchestrator.contract import records, safe_read
+
+sys.path.insert(0, str(REPO / "tests" / "hf"))
+import tiny  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+
+SPEC = """\
+name: evals
+model: {{kind: hf, path: {model}, lora: {{r: 4, alpha: 8}}}}
+data: {{kind: jsonl, path: {data}, max_length: 48}}
+optimizer: {{lr: 1.0e-2}}
+batch: {{micro_batch_size: 2}}
+steps: 9
+checkpoint: {{every_steps: 3, keep_last: 3}}
+resources: {{tasks_per_node: 1}}
+"""
+SCORER = """\
+def first_word(answer, reference, prompt):
+    # the user's own metric: the answer's first word is the reference's
+    return answer.split()[:1] == reference.split()[:1]
+"""
+
+
+def test_checkpoints_are_evaluated_by_generation_and_the_results_kept(home, tmp_path, tiny_model, monkeypatch):
+    data = tiny.make_chat_data(tmp_path / "train.jsonl", n=32)
+    out = cli("submit", str(write(tmp_path / "exp.yaml", SPEC.format(model=tiny_model, data=data))), "--executor", "local",
+              "--wait", "--json", home=home, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tdir = contract.task_dir(json.loads(out.stdout)["experiments"][0]["run_dir"], 0)
+    assert [s for s, _ in contract.committed_checkpoints(tdir)] == [9, 6, 3]
+
+    # the held-out prompts: chats whose last message is the reference (the training data's format)
+    prompts = tmp_path / "heldout.jsonl"
+    recs = [json.loads(line) for line in data.read_text().splitlines()[:6]]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "myscore.py").write_text(SCORER)
+    monkeypatch.chdir(tmp_path)  # --score module:function, importable from the working folder
+    first = cli("ckpt", "eval", str(tdir), "--all", "--prompts", str(prompts), "--metric", "exact_match", "--metric",
+                "contains", "--score", "myscore:first_word", home=home, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = {s: safe_read.read_record(contract.eval_result_path(tdir, s), records.EVAL_RESULT) for s in (3, 6, 9)}
+    for step, r in results.items():
+        assert r["step"] == step and r["n"] == 6 and r["kind"] == "generate" and r["checkpoint"] == contract.checkpoint_name(step)
+        assert set(r["metrics"]) == {"exact_match", "contains", "first_word"} and all(0 <= v <= 1 for v in r["metrics"].values())
+        assert (contract.eval_dir(tdir, step) / "model" / "adapter" / "adapter_config.json").is_file()  # its export
+        assert f"task 0 step {step}: exact_match" in first.stdout
+    assert "best by exact_match" in first.stdout
+
+    # the answers are the model's own: the export of step 9, loaded by hand, answers the same
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = contract.eval_dir(tdir, 9) / "model" / "adapter"
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapter)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tok.apply_chat_template(recs[0]["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    sample = results[9]["samples"][0]
+    limit = max(len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]) for r in recs) + 4
+    gen = model.generate(**ids, max_new_tokens=limit, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert tok.decode(gen[0][ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() == sample["answer"]
+
+    # references that are step 9's own answers: exact match 1 there; a second run redoes
+    # nothing unless asked
+    own = [{"prompt": r["messages"][:-1], "reference": s["answer"]} for r, s in zip(recs, results[9]["samples"])]
+    (tmp_path / "own.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own))
+    again = cli("ckpt", "eval", str(tdir), "--prompts", str(tmp_path / "own.jsonl"), home=home, cwd=tmp_path)
+    assert again.returncode == 0 and "evaluated before; --again to redo" in again.stderr, again.stderr
+    redo = cli("ckpt", "eval", str(contract.checkpoints_dir(tdir) / contract.checkpoint_name(9)), "--prompts",
+               str(tmp_path / "own.jsonl"), "--again", "--json", home=home, cwd=tmp_path)
+    assert redo.returncode == 0, redo.stderr
+    assert [(r["step"], r["metrics"]) for r in json.loads(redo.stdout)] == [(9, {"exact_match": 1.0})]
+
+    # a damaged checkpoint: said and skipped, no traceback; the others are evaluated
+    shard = next(p for p in (contract.checkpoints_dir(tdir) / contract.checkpoint_name(6)).rglob("*") if p.is_file()
+                 and p.name != contract.MANIFEST)
+    shard.write_bytes(b"")
+    for s in (3, 6, 9):
+        contract.eval_result_path(tdir, s).unlink()
+    hurt = cli("ckpt", "eval", str(tdir), "--all", "--prompts", str(prompts), home=home, cwd=tmp_path)
+    assert "Traceback" not in hurt.stderr and f"task 0 {contract.checkpoint_name(6)}: not evaluated:" in hurt.stderr
+    assert contract.eval_result_path(tdir, 3).is_file() and contract.eval_result_path(tdir, 9).is_file()
+    assert not contract.eval_result_path(tdir, 6).exists()
+
+
+def test_a_bad_prompts_file_names_its_line(home, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"prompt": 3}\n')
+    tdir = contract.task_dir(tmp_path / "run", 0)
+    contract.checkpoints_dir(tdir).mkdir(parents=True)
+    out = cli("ckpt", "eval", str(tdir), "--prompts", str(bad), home=home)
+    assert out.returncode == 2 and f"{bad}:2:" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -1,0 +1,104 @@
+"""One checkpoint's evaluation: checked, exported, loaded, scored, the result written last."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import contract
+
+from train_entry.checkpoint_eval import generate
+from train_entry.checkpoint_eval.prompts import EvalError, read_prompts
+
+SAMPLES = 5  # answers kept in the result, to read beside the numbers
+
+
+@dataclass(frozen=True)
+class Settings:
+    prompts: str
+    metrics: tuple[str, ...] = ("exact_match",)
+    score: str | None = None  # module:function
+    max_new_tokens: int | None = None  # None: a few tokens past the longest reference
+    batch: int = 8
+    extra: dict = field(default_factory=dict)
+
+
+def evaluate_checkpoint(folder: str | Path, out: str | Path, settings: Settings) -> dict:
+    """Evaluate the committed checkpoint ``folder`` into ``out`` (``model/``: its export,
+    kept for the next run; ``result.json``, written last). Safe to run again: a finished
+    export of the same step is used as it is. Raises ``EvalError``."""
+    folder, out = Path(folder), Path(out)
+    started = time.time()
+    try:
+        manifest = contract.read_manifest(folder)
+    except contract.ManifestError as exc:
+        raise EvalError(f"{folder}: {exc}; it may have been pruned or damaged since it was committed") from None
+    step = int(manifest["step"])
+    prompts = read_prompts(settings.prompts)
+    scorers = generate.scorers(settings.metrics, settings.score)
+    model_dir = export(folder, out / "model", step)
+    model, tok = load(model_dir)
+    limit = generate.token_limit(tok, prompts, settings.max_new_tokens)
+    got = generate.answers(model, tok, prompts, limit, settings.batch)
+    metrics = {name: sum(fn(a, p.reference, p) for a, p in zip(got, prompts)) / len(prompts) for name, fn in scorers.items()}
+    result = {
+        "step": step, "kind": "generate", "metrics": metrics, "n": len(prompts), "checkpoint": folder.name,
+        "seconds": round(time.time() - started, 3), "time": time.time(),
+        "samples": [{"prompt": p.text if p.messages is None else p.messages[-1]["content"], "reference": p.reference,
+                     "answer": a} for p, a in list(zip(prompts, got))[:SAMPLES]],
+    }
+    contract.atomic_write_json(out / "result.json", result)
+    return result
+
+
+def export(folder: Path, dst: Path, step: int) -> Path:
+    """The checkpoint as a Hugging Face folder (the consolidation ``ckpt consolidate`` runs);
+    one already there from the same step is kept (it is renamed into place only once whole)."""
+    from train_entry.consolidate import RECORD, ConsolidateError, consolidate
+
+    done = contract.read_json(dst / RECORD) if dst.is_dir() else None
+    if isinstance(done, dict) and done.get("step") == step:
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        consolidate(folder, dst, hf=True)
+    except ConsolidateError as exc:
+        raise EvalError(f"cannot export the checkpoint: {exc}") from None
+    return dst
+
+
+def load(model_dir: Path):
+    """The model and tokenizer of an export: a model folder (a full fine-tune, ``merged/``),
+    or a PEFT adapter on the base it names."""
+    from train_entry.hf import quiet
+
+    quiet.drop_bitsandbytes_kernel_warning()  # peft imports bitsandbytes; nothing here is 4-bit
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.disable_progress_bar()
+    adapter = next((d for d in (model_dir / "adapter", model_dir) if (d / "adapter_config.json").is_file()), None)
+    full = next((d for d in (model_dir / "merged", model_dir) if (d / "config.json").is_file()), None)
+    if full is not None:
+        tok_dir = full if (full / "tokenizer_config.json").is_file() else model_dir
+        model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32, local_files_only=True)
+    elif adapter is not None:
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base or not Path(base).is_dir():
+            raise EvalError(f"{adapter}: its base model folder {base!r} is not there (evaluations load it from disk)")
+        tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
+        from peft import PeftModel
+
+        with quiet.peft_deprecation_off():
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                                                   local_files_only=True), adapter)
+    else:
+        raise EvalError(f"{model_dir}: the export holds no model folder and no adapter: a checkpoint of a Hugging "
+                        "Face model (model kind hf, a Trainer program) can be evaluated by generation")
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    return model, tok
