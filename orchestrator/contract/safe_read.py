@@ -279,7 +279,6 @@ def number_map(limit: int = 64) -> Check:
                 raise BadRecord(f"{cut(key, 64)!r} is not a metric name (letters, digits, '_', '.', '-')")
             out[key] = number(v)
         return out
-
     return each
 
 
@@ -288,8 +287,7 @@ def text_fields(keys: tuple[str, ...], limit: int) -> Check:
     def each(value: Any) -> dict:
         if type(value) is not dict:
             raise BadRecord(f"expected an object, got {_type_name(value)}")
-        return {k: cut(_utf8(_string(value.get(k, ""))), limit) for k in keys}
-
+        return {k: text(limit)(value.get(k, "")) for k in keys}
     return each
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +26,7 @@ model: {{kind: hf, path: {model}, lora: {{r: 4, alpha: 8}}}}
 data: {{kind: jsonl, path: {data}, max_length: 48}}
 optimizer: {{lr: 1.0e-2}}
 batch: {{micro_batch_size: 2}}
-steps: 9
+steps: 10
 checkpoint: {{every_steps: 3, keep_last: 3}}
 resources: {{tasks_per_node: 1}}
 """
@@ -53,7 +52,7 @@ def test_checkpoints_are_evaluated_by_generation_and_the_results_kept(home, tmp_
     (tmp_path / "myscore.py").write_text(SCORER)
     monkeypatch.chdir(tmp_path)  # --score module:function, importable from the working folder
     first = cli("ckpt", "eval", str(tdir), "--all", "--prompts", str(prompts), "--metric", "exact_match", "--metric",
-                "contains", "--score", "myscore:first_word", home=home, cwd=tmp_path)
+                "contains", "--score", "myscore:first_word", "--max-new-tokens", "12", home=home, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     results = {s: safe_read.read_record(contract.eval_result_path(tdir, s), records.EVAL_RESULT) for s in (3, 6, 9)}
     for step, r in results.items():
@@ -73,18 +72,17 @@ def test_checkpoints_are_evaluated_by_generation_and_the_results_kept(home, tmp_
     tok = AutoTokenizer.from_pretrained(tiny_model)
     ids = tok.apply_chat_template(recs[0]["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     sample = results[9]["samples"][0]
-    limit = max(len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]) for r in recs) + 4
-    gen = model.generate(**ids, max_new_tokens=limit, do_sample=False, pad_token_id=tok.pad_token_id)
+    gen = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     assert tok.decode(gen[0][ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() == sample["answer"]
 
-    # references that are step 9's own answers: exact match 1 there; a second run redoes
-    # nothing unless asked
+    # references that are step 9's own answers (the same token limit): exact match 1 there; a
+    # second run redoes nothing unless asked
     own = [{"prompt": r["messages"][:-1], "reference": s["answer"]} for r, s in zip(recs, results[9]["samples"])]
     (tmp_path / "own.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own))
     again = cli("ckpt", "eval", str(tdir), "--prompts", str(tmp_path / "own.jsonl"), home=home, cwd=tmp_path)
     assert again.returncode == 0 and "evaluated before; --again to redo" in again.stderr, again.stderr
     redo = cli("ckpt", "eval", str(contract.checkpoints_dir(tdir) / contract.checkpoint_name(9)), "--prompts",
-               str(tmp_path / "own.jsonl"), "--again", "--json", home=home, cwd=tmp_path)
+               str(tmp_path / "own.jsonl"), "--again", "--max-new-tokens", "12", "--json", home=home, cwd=tmp_path)
     assert redo.returncode == 0, redo.stderr
     assert [(r["step"], r["metrics"]) for r in json.loads(redo.stdout)] == [(9, {"exact_match": 1.0})]
 
