@@ -127,6 +127,20 @@ class CheckpointState(TextEnum):
     PRUNED = "PRUNED"  # removed by `orchestrate ckpt prune`
 
 
+class EvalState(TextEnum):
+    """The evaluation of one committed checkpoint (``eval.checkpoints``)."""
+
+    PENDING = "PENDING"  # due: waits its turn (in step order, at most max_parallel at once)
+    RUNNING = "RUNNING"
+    DONE = "DONE"  # its result is in
+    FAILED = "FAILED"  # its tries used up, or it cannot run as asked
+    SKIPPED = "SKIPPED"  # its checkpoint was gone or damaged before it started
+
+    @property
+    def outstanding(self) -> bool:
+        return self in (EvalState.PENDING, EvalState.RUNNING)
+
+
 _ATTEMPT_BY_EXIT = {
     ExitCode.OK: AttemptState.COMPLETED,
     ExitCode.CANCELLED: AttemptState.CANCELLED,

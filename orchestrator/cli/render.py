@@ -88,7 +88,23 @@ def _nodes(last: dict, task: dict) -> list[str]:
     return [n for n in nodes.split(",") if n]
 
 
-def task_document(t: dict, mine: list[dict], now: float, preparing: dict | None = None) -> dict:
+def evaluations_document(rows: list[dict]) -> dict | None:
+    """A task's evaluations of checkpoints: counts by state, the latest result, the best
+    step by each metric (higher is better); None when it has none."""
+    if not rows:
+        return None
+    done = [r for r in rows if r["state"] == "DONE" and isinstance(r.get("metrics"), dict)]
+    counts = {state.lower(): sum(r["state"] == state for r in rows) for state in ("PENDING", "RUNNING", "DONE", "FAILED", "SKIPPED")}
+    best = {}
+    for r in done:
+        for name, value in r["metrics"].items():
+            if _number(value) is not None and (name not in best or value > best[name]["value"]):
+                best[name] = {"step": r["step"], "value": value}
+    latest = max(done, key=lambda r: r["step"], default=None)
+    return {**counts, "latest": latest and {"step": latest["step"], "metrics": latest["metrics"]}, "best": best}
+
+
+def task_document(t: dict, mine: list[dict], now: float, preparing: dict | None = None, evals: list[dict] | None = None) -> dict:
     """One task of the status document; every value of its type, or None. ``preparing``:
     the task's newest data-preparation progress event, said as its reason until it trains."""
     last = mine[-1] if mine else {}
@@ -113,6 +129,7 @@ def task_document(t: dict, mine: list[dict], now: float, preparing: dict | None 
         "checkpoint": _str(t.get("checkpoint")),
         "reason": _str(_reason(t, mine, last if ended else {}, preparing)),
         "failure": _str(last.get("failure")) if ended else None,
+        "evaluations": evaluations_document(evals or []),  # eval.checkpoints
     }
 
 
@@ -134,7 +151,11 @@ def status_document(ledger: Ledger, experiments: list[dict], now: float | None =
         for a in ledger.attempts(exp["id"]):
             attempts.setdefault(a["idx"], []).append(a)
         preparing = ledger.newest_task_events(exp["id"], "data.progress")
-        tasks = [task_document(t, attempts.get(t["idx"], []), now, preparing.get(t["idx"])) for t in ledger.tasks(exp["id"])]
+        evals: dict[int, list[dict]] = {}
+        for r in ledger.evaluations(exp["id"]):
+            evals.setdefault(r["idx"], []).append(r)
+        tasks = [task_document(t, attempts.get(t["idx"], []), now, preparing.get(t["idx"]), evals.get(t["idx"]))
+                 for t in ledger.tasks(exp["id"])]
         out.append(
             {
                 "name": exp["name"],
@@ -231,9 +252,11 @@ def status_tables(doc: dict) -> list:
             printable(exp["name"], VALUE_MAX), " ", (printable(exp["id"], VALUE_MAX), "dim"), " ",
             (printable(exp["state"], VALUE_MAX), _state_style(exp["state"])), f" ({printable(exp['executor'], VALUE_MAX)})",
         )
-        caption = None
+        notes = []
         if exp["watcher"] is None and exp["state"] not in ("COMPLETED", "FAILED", "CANCELLED"):
-            caption = "no watcher: hangs and failures are recovered only while `orchestrate watch` runs"
+            notes.append("no watcher: hangs and failures are recovered only while `orchestrate watch` runs")
+        notes += [_evals_line(task) for task in exp["tasks"][:EVAL_LINES] if task.get("evaluations")]
+        caption = "\n".join(notes) or None
         rows = [_row(task) for task in exp["tasks"]]
         if len(rows) >= LINES_FROM:
             tables.append(_lines(title, rows, caption))
@@ -247,6 +270,21 @@ def status_tables(doc: dict) -> list:
             t.add_row(*r)
         tables.append(t)
     return tables
+
+
+EVAL_LINES = 8  # tasks whose evaluations the table's caption names (`status --json` has every one)
+
+
+def _evals_line(task: dict) -> str:
+    ev = task["evaluations"]
+    parts = [f"task {task['index']} checkpoint evaluations: {ev['done']} done"]
+    parts += [f"{ev[k]} {k}" for k in ("running", "pending", "failed", "skipped") if ev[k]]
+    line = ", ".join(parts)
+    if ev["latest"]:
+        numbers = ", ".join(f"{printable(k, 40)} {v:.3g}" for k, v in ev["latest"]["metrics"].items() if _number(v) is not None)
+        line += f"; step {ev['latest']['step']}: {numbers}"
+        line += "; best: " + ", ".join(f"{printable(k, 40)} {b['value']:.3g} at step {b['step']}" for k, b in ev["best"].items())
+    return line
 
 
 def _when(t: Any) -> str:

@@ -24,6 +24,7 @@ Run folder layout (one per experiment)::
         checkpoints/                  sharded checkpoints (see ``contract.checkpoint``)
         pins/<owner>.json             checkpoints kept past keep_last (see ``contract.pins``)
         evals/step-<N>/result.json    the evaluation of checkpoint step N (records.EVAL_RESULT), written last
+        evals/step-<N>/error.json     or why it could not run (records.EVAL_ERROR); log.txt: its output
         evals/step-<N>/model/         the checkpoint exported for it (Hugging Face folder)
         weights/                      full weights consolidated from the final checkpoint
         cancel                        present: the local executor stops the task
@@ -93,8 +94,16 @@ def eval_dir(tdir: PathLike, step: int) -> Path:
     return Path(tdir) / "evals" / f"step-{int(step):09d}"
 
 
+EVAL_RESULT = "result.json"  # in an evaluation's folder, written last (records.EVAL_RESULT)
+EVAL_ERROR = "error.json"  # or why it could not run (records.EVAL_ERROR)
+
+
 def eval_result_path(tdir: PathLike, step: int) -> Path:
-    return eval_dir(tdir, step) / "result.json"
+    return eval_dir(tdir, step) / EVAL_RESULT
+
+
+def eval_error_path(tdir: PathLike, step: int) -> Path:
+    return eval_dir(tdir, step) / EVAL_ERROR
 
 
 def weights_dir(tdir: PathLike) -> Path:

@@ -129,6 +129,8 @@ EVAL_RESULT = Schema(
      "time": number},
     required=("step", "kind", "metrics"),
 )
+EVAL_ERROR = Schema("evaluation error", {"error": text(MESSAGE_MAX), "gone": flag}, required=("error",),
+                    defaults={"gone": False})
 # the watcher's fault rate for a task (layout.fault_rate_path): what ``every_steps: auto`` sizes
 # its interval by; ``mtbf_s`` null: no rate known (an older watcher)
 FAULT_RATE = Schema(

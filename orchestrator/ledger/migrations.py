@@ -198,6 +198,32 @@ def _m008_save_times(db: sqlite_utils.Database) -> None:
     db["tasks"].add_column("save_time_max", float)  # the longest of them, over every rank and attempt
 
 
+def _m009_evaluations(db: sqlite_utils.Database) -> None:
+    # the evaluation of each committed checkpoint due (eval.checkpoints), one row per task and step
+    db["evaluations"].create(
+        {
+            "experiment_id": str,
+            "idx": int,
+            "step": int,
+            "folder": str,  # the checkpoint
+            "state": str,  # EvalState
+            "tries": int,
+            "pid": int,  # the running evaluation's process, and its start time (a pid reused is not it)
+            "start_ticks": int,
+            "metrics": str,  # JSON: name -> number
+            "n": int,
+            "seconds": float,
+            "reason": str,
+            "created_at": float,
+            "started_at": float,
+            "ended_at": float,
+        },
+        pk=("experiment_id", "idx", "step"),
+        foreign_keys=[("experiment_id", "experiments", "id")],
+    )
+    db["evaluations"].create_index(["state"])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
@@ -207,6 +233,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("006_notifications", _m006_notifications),
     ("007_steady_steps_fault_costs", _m007_steady_steps),
     ("008_save_times", _m008_save_times),
+    ("009_evaluations", _m009_evaluations),
 ]
 
 

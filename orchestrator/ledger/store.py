@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from orchestrator.ledger.actions import Actions
 from orchestrator.ledger.attempts import Attempts
+from orchestrator.ledger.evaluations import Evaluations
 from orchestrator.ledger.events import Events
 from orchestrator.ledger.leases import Leases
 from orchestrator.ledger.notifications import Notifications
 from orchestrator.ledger.progress import Progress
 
 
-class Ledger(Attempts, Progress, Events, Actions, Leases, Notifications):
+class Ledger(Attempts, Progress, Events, Actions, Leases, Notifications, Evaluations):
     """Experiments and tasks (``experiments``, under ``attempts`` and ``progress``),
     attempts, heartbeats, metrics, checkpoints and read positions (``progress``), events,
-    actions, leases, notifications."""
+    actions, leases, notifications, evaluations of checkpoints."""
 
 
 __all__ = ["Ledger"]

@@ -26,6 +26,7 @@ NEEDS_ATTENTION_KINDS = frozenset({
     "recovery.hold_kept",  # the site refused to release SLURM's hold: the job waits its BeginTime
     "recovery.wait_storage",  # a full or failing filesystem: someone must free space (it resumes by itself then)
     "storage.watcher_write_failed",  # the watcher's own write into a run folder failed for want of space
+    "eval.failed",  # a checkpoint's evaluation failed its every try, or cannot run as asked
 })
 # Not ledger.illegal_transition: a bug of ours (or a stale observation) that can repeat
 # every cycle; it is logged and in the events, and a message per cycle would be a flood.

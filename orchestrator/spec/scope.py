@@ -36,6 +36,9 @@ TRAINER_AND_DEEPSPEED = Honoured("*Built-in trainer; a `script` or `command` mod
 WITH_INTEGRATION = Honoured(
     "*Built-in trainer and the integrations (train_entry.client, HF Trainer, Accelerate); a `command` without one ignores it.*"
 )
+BY_THE_WATCHER = Honoured(
+    "*The watcher acts on it, for the checkpoints of a Hugging Face model (model kind hf, a Trainer program).*"
+)
 INTEGRATIONS_ONLY = Honoured("*Only the integrations (train_entry.client, HF Trainer, Accelerate); not the built-in trainer.*")
 
 

@@ -56,7 +56,8 @@ def watch(
             if exp_ids is None:  # submit tells from this lease that a watcher will take up what it leaves waiting
                 watcher.leases.hold_all()
             try:
-                ids = exp_ids if exp_ids is not None else [e["id"] for e in ledger.find_experiments(live_only=True)]
+                ids = exp_ids if exp_ids is not None else list(dict.fromkeys(
+                    [e["id"] for e in ledger.find_experiments(live_only=True)] + ledger.experiments_evaluating()))
                 watcher.cycle(ids)
                 if on_cycle:
                     on_cycle(ids)
@@ -67,7 +68,8 @@ def watch(
                     raise
                 told = _said_once(told, trouble, ledger)
                 ids = exp_ids or []
-            ended = exp_ids is not None and told is None and all(TaskState(ledger.experiment(i)["state"]).terminal for i in ids)
+            ended = (exp_ids is not None and told is None and all(TaskState(ledger.experiment(i)["state"]).terminal for i in ids)
+                     and not ledger.evaluations_outstanding(ids))  # the last checkpoints' evaluations finish too
             if once or ended or stop.requested:
                 return ids
             deadline = time.time() + interval_s

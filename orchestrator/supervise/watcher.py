@@ -25,6 +25,7 @@ from orchestrator import contract
 from orchestrator.contract import TaskConfig, TaskConfigError, storage
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
+from orchestrator.evaluate import tend
 from orchestrator.ledger import Ledger
 from orchestrator.notify.outbox import Notifier
 from orchestrator.report import stored
@@ -127,6 +128,7 @@ class Watcher:
         self._tell_reachability(exp, seen)
         waiting = self._live_tasks(exp, seen.observations)
         self._queue(exp, waiting, seen)
+        self._evaluations(exp)
 
     def _ended(self, exp: dict, seen: Seen) -> None:
         """An ended experiment: its tasks' final goodput (once: then none is due), a job that
@@ -136,7 +138,22 @@ class Watcher:
         planned = queue_room.submissions_planned(self.ledger, exp)
         if planned and seen.observations is not None and self.leases.take(exp):
             queue_room.submit_waiting(self.act, exp, [], planned)
+        if tend.settings_of(exp) is not None and self.leases.take(exp):
+            self._evaluations(exp)  # the last checkpoints' evaluations go on after training ended
+            if self.ledger.evaluations_outstanding([exp["id"]]):
+                return  # the lease is kept while they run
         self.leases.release(exp)
+
+    def _evaluations(self, exp: dict) -> None:
+        """Each task's evaluations of its committed checkpoints (``eval.checkpoints``)."""
+        settings = tend.settings_of(exp)
+        if settings is None:
+            return
+        for task in self.ledger.tasks(exp["id"]):
+            try:
+                tend.tend(self.ledger, exp, task, settings, self.act.clock)
+            except Exception as exc:  # one task's trouble never stops the others' (nor training's)
+                self._task_failed(exp, task, exc)
 
     def _tell_reachability(self, exp: dict, seen: Seen) -> None:
         """An event when the scheduler stops answering (nothing is decided meanwhile), and when it answers again."""

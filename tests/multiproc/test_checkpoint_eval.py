@@ -105,3 +105,55 @@ def test_a_bad_prompts_file_names_its_line(home, tmp_path):
     contract.checkpoints_dir(tdir).mkdir(parents=True)
     out = cli("ckpt", "eval", str(tdir), "--prompts", str(bad), home=home)
     assert out.returncode == 2 and f"{bad}:2:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+WATCHED = SPEC + """\
+eval: {{checkpoints: {{prompts: {prompts}, metrics: [exact_match, contains], retries: 1}}}}
+"""
+
+
+def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation_is_tried_again(home, tmp_path, tiny_model):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from orchestrator.ledger import Ledger
+
+    data = tiny.make_chat_data(tmp_path / "train.jsonl", n=32)
+    prompts = tmp_path / "heldout.jsonl"
+    prompts.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:6]))
+    spec = write(tmp_path / "exp.yaml", WATCHED.format(model=tiny_model, data=data, prompts=prompts.name))
+    env = {**os.environ, "ORCHESTRATE_HOME": str(home)}
+    run = subprocess.Popen([sys.executable, "-m", "orchestrator", "submit", str(spec), "--executor", "local", "--wait", "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    killed = None
+    deadline = time.time() + 240
+    while killed is None and run.poll() is None and time.time() < deadline:  # the first evaluation, killed -9 while it runs
+        time.sleep(0.2)
+        if not (home / "ledger.db").exists():
+            continue
+        ledger = Ledger.open(home / "ledger.db")
+        exps = ledger.find_experiments()
+        running = [r for e in exps for r in ledger.evaluations(e["id"]) if r["state"] == "RUNNING" and r["pid"]]
+        if running:
+            killed = running[0]
+            os.kill(killed["pid"], signal.SIGKILL)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0 and killed is not None, err[-3000:]
+    exp = json.loads(out)["experiments"][0]
+    assert exp["state"] == "COMPLETED"  # training is never the evaluation's business
+    ledger = Ledger.open(home / "ledger.db")
+    rows = ledger.evaluations(exp["id"], 0)
+    assert [(r["step"], r["state"]) for r in rows] == [(3, "DONE"), (6, "DONE"), (9, "DONE")], rows
+    assert {r["step"]: r["tries"] for r in rows} == {3: 1, 6: 1, 9: 1, killed["step"]: 2}
+    assert all(set(r["metrics"]) == {"exact_match", "contains"} for r in rows)
+    kinds = [(e["kind"], e["cause"]) for e in ledger.events(exp["id"]) if e["kind"].startswith("eval.")]
+    results = [c for k, c in kinds if k == "eval.result"]
+    assert len(results) == 3 and all(c.startswith(f"step {s}: ") for c, s in zip(results, (3, 6, 9)))  # once each, in order
+    retry = [c for k, c in kinds if k == "eval.retry"]
+    assert len(retry) == 1 and f"evaluation of step {killed['step']} ended without a result (try 1 of 2)" in retry[0], kinds
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    assert contract.read_pins(tdir) == {}  # nothing kept for an evaluation any more: keep_last decides again
+    doc = exp["tasks"][0]["evaluations"]
+    assert doc["done"] == 3 and doc["latest"]["step"] == 9 and set(doc["best"]) == {"exact_match", "contains"}

@@ -66,6 +66,7 @@ LAYERS = [
     "orchestrator.scheduler",
     "orchestrator.submit",
     "orchestrator.runfolder",
+    "orchestrator.evaluate",  # the watcher's evaluations of checkpoints: their processes and ledger rows
     "orchestrator.report",
     "orchestrator.notify",
     "orchestrator.supervise",

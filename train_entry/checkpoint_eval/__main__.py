@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            args.max_new_tokens))
     except EvalError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if args.out:  # for whoever started it (the watcher): why, beside where the result would be
+            contract.atomic_write_json(Path(args.out) / contract.EVAL_ERROR, {"error": str(exc)[:4000], "gone": exc.gone})
         return 2
     print(json.dumps(result))
     return 0

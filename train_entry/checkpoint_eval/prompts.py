@@ -19,7 +19,12 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class EvalError(Exception):
-    """An evaluation that cannot run as asked: the message says what to do."""
+    """An evaluation that cannot run as asked: the message says what to do. ``gone``: its
+    checkpoint is no longer there, or damaged (the evaluation is skipped, not failed)."""
+
+    def __init__(self, message: str, gone: bool = False):
+        super().__init__(message)
+        self.gone = gone
 
 
 @dataclass(frozen=True)

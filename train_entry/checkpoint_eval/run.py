@@ -35,7 +35,10 @@ def evaluate_checkpoint(folder: str | Path, out: str | Path, settings: Settings)
     try:
         manifest = contract.read_manifest(folder)
     except contract.ManifestError as exc:
-        raise EvalError(f"{folder}: {exc}; it may have been pruned or damaged since it was committed") from None
+        raise EvalError(f"{folder}: {exc}; it may have been pruned or damaged since it was committed", gone=True) from None
+    problem = contract.verify_checkpoint(folder)
+    if problem:
+        raise EvalError(f"{folder}: {problem}", gone=True)
     step = int(manifest["step"])
     prompts = read_prompts(settings.prompts)
     scorers = generate.scorers(settings.metrics, settings.score)
@@ -50,7 +53,7 @@ def evaluate_checkpoint(folder: str | Path, out: str | Path, settings: Settings)
         "samples": [{"prompt": p.text if p.messages is None else p.messages[-1]["content"], "reference": p.reference,
                      "answer": a} for p, a in list(zip(prompts, got))[:SAMPLES]],
     }
-    contract.atomic_write_json(out / "result.json", result)
+    contract.atomic_write_json(out / contract.EVAL_RESULT, result)
     return result
 
 

@@ -1,0 +1,46 @@
+"""What is due, what starts, and how a finished evaluation ended: pure decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.states import EvalState
+
+
+def due(committed: list[tuple[int, str]], known: set[int], every: int) -> list[tuple[int, str]]:
+    """(step, folder) of the committed checkpoints newly due: every ``every``-th of the task's
+    checkpoints in step order, those with no evaluation yet."""
+    ordered = sorted(committed)
+    return [(s, f) for i, (s, f) in enumerate(ordered) if (i + 1) % every == 0 and s not in known]
+
+
+def to_start(rows: list[dict], max_parallel: int) -> list[dict]:
+    """The due evaluations that start now: in step order, while fewer than ``max_parallel`` run."""
+    running = sum(r["state"] == EvalState.RUNNING.value for r in rows)
+    pending = sorted((r for r in rows if r["state"] == EvalState.PENDING.value), key=lambda r: r["step"])
+    return pending[: max(0, max_parallel - running)]
+
+
+@dataclass(frozen=True)
+class Ended:
+    state: EvalState
+    kind: str  # the event's kind
+    cause: str
+
+
+def ended(row: dict, result: dict | None, error: dict | None, retries: int) -> Ended:
+    """How a RUNNING evaluation whose process is gone ended, from what it left."""
+    step = row["step"]
+    if result is not None and result.get("step") == step:
+        numbers = ", ".join(f"{k} {v:.4g}" for k, v in result["metrics"].items())
+        return Ended(EvalState.DONE, "eval.result", f"step {step}: {numbers} ({result.get('n', '?')} prompts, "
+                     f"{result.get('seconds') or 0:.1f} s)")
+    if error is not None:
+        if error["gone"]:
+            return Ended(EvalState.SKIPPED, "eval.skipped", f"step {step} not evaluated: {error['error']}")
+        return Ended(EvalState.FAILED, "eval.failed", f"step {step} cannot be evaluated as asked: {error['error']}")
+    if row["tries"] <= retries:
+        return Ended(EvalState.PENDING, "eval.retry", f"the evaluation of step {step} ended without a result (try "
+                     f"{row['tries']} of {retries + 1}): it runs again")
+    return Ended(EvalState.FAILED, "eval.failed", f"the evaluation of step {step} ended without a result {row['tries']} "
+                 "time(s); see its log.txt in the task's evals/")
