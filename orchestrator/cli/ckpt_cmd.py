@@ -25,6 +25,10 @@ def cmd_ckpt(args) -> int:
         from orchestrator.cli.eval_cmd import evaluate  # loads models: only this command pays for it
 
         return evaluate(args, path)
+    if args.ckpt_command == "best":
+        from orchestrator.cli.eval_cmd import best
+
+        return best(args, path, owner)
     if args.ckpt_command == "list":
         return _list(args, path)
     return _prune(args, path, owner)

@@ -76,3 +76,43 @@ def _result(out: Path) -> dict | None:
 
 def _numbers(result: dict) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in result["metrics"].items())
+
+
+def best(args, path: Path, owner) -> int:
+    """Each task's best evaluated checkpoints, from the results in its evals/ folder."""
+    from orchestrator.evaluate import policy, tend
+
+    keep = tend.keep_best_of(owner[1]) if owner else None
+    rows_by_task = {t: _results(t) for t in ckpt.task_dirs(path)}
+    if not any(rows_by_task.values()):
+        raise UserError(f"'{path}' has no evaluated checkpoint; see `orchestrate ckpt eval` and eval.checkpoints")
+    first = next(r for rows in rows_by_task.values() for r in rows)
+    metric = args.metric or (keep.metric if keep else next(iter(first["metrics"]), None))
+    mode, n = args.mode or (keep.mode if keep else "max"), args.n or (keep.n if keep else 1)
+    found = []
+    for tdir, rows in rows_by_task.items():
+        task = tdir.name
+        for r in policy.best(rows, metric, mode, n):
+            folder = contract.checkpoints_dir(tdir) / contract.checkpoint_name(r["step"])
+            export = contract.eval_dir(tdir, r["step"]) / "model"
+            found.append({"task": task, "step": r["step"], "metric": metric, "value": r["metrics"][metric],
+                          "checkpoint": str(folder) if os.path.lexists(folder / contract.MANIFEST) else None,
+                          "export": str(export) if export.is_dir() else None})
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    for f in found:
+        print(f"task {f['task']} step {f['step']}: {metric} {f['value']:.4g}; checkpoint "
+              f"{f['checkpoint'] or '(gone)'}; export {f['export'] or '(none kept)'}")
+    return 0
+
+
+def _results(tdir: Path) -> list[dict]:
+    """The task's evaluation results, as policy rows."""
+    out = []
+    base = tdir / "evals"
+    for d in sorted(base.iterdir()) if base.is_dir() else []:
+        r = _result(d) if d.name.startswith("step-") else None
+        if r is not None:
+            out.append({"step": r["step"], "state": "DONE", "metrics": r["metrics"]})
+    return out

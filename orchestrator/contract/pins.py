@@ -18,6 +18,7 @@ from . import safe_read
 from .files import atomic_write_json
 
 PINS_DIR = "pins"
+SEEN = "evaluations-seen"  # the watcher's watermark: checkpoints after it have not been looked at yet
 _OWNER = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 _MAX = 1 << 20
 
@@ -33,6 +34,29 @@ def write_pins(tdir: str | os.PathLike, owner: str, steps: dict[int, str]) -> No
     path = pins_path(tdir, owner)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"steps": {str(int(s)): str(why)[:500] for s, why in sorted(steps.items())}})
+
+
+def write_seen(tdir: str | os.PathLike, through: int) -> None:
+    """The watcher has looked at (and pinned what it needs of) every committed checkpoint up
+    to step ``through``; written -1 at submission when the spec evaluates checkpoints."""
+    path = pins_path(tdir, SEEN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"through": int(through)})
+
+
+def unseen_after(tdir: str | os.PathLike) -> int | None:
+    """Rotation keeps every checkpoint after this step (its evaluation may be due, and the
+    watcher has not looked yet); None: no evaluations watch this task. A damaged watermark
+    keeps everything (-1): nothing due for evaluation is deleted unseen."""
+    path = pins_path(tdir, SEEN)
+    if not os.path.lexists(path):
+        return None
+    try:
+        data = safe_read.read_capped(path, _MAX, follow=False)
+        through = json.loads(data.decode("utf-8")).get("through") if data else None
+    except (safe_read.BadRecord, OSError, ValueError, AttributeError, RecursionError):
+        return -1
+    return through if isinstance(through, int) and not isinstance(through, bool) else -1
 
 
 def read_pins(tdir: str | os.PathLike) -> dict[int, str]:

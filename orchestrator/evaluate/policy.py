@@ -44,3 +44,11 @@ def ended(row: dict, result: dict | None, error: dict | None, retries: int) -> E
                      f"{row['tries']} of {retries + 1}): it runs again")
     return Ended(EvalState.FAILED, "eval.failed", f"the evaluation of step {step} ended without a result {row['tries']} "
                  "time(s); see its log.txt in the task's evals/")
+
+
+def best(rows: list[dict], metric: str, mode: str, n: int) -> list[dict]:
+    """The ``n`` best DONE evaluations by ``metric`` (``max``: the highest; ties: the later step)."""
+    done = [r for r in rows if r["state"] == EvalState.DONE.value and isinstance(r.get("metrics"), dict)
+            and isinstance(r["metrics"].get(metric), (int, float))]
+    sign = -1 if mode == "max" else 1
+    return sorted(done, key=lambda r: (sign * r["metrics"][metric], -r["step"]))[:n]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -11,9 +12,10 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.contract import records, safe_read
 from orchestrator.evaluate import policy, process
-from orchestrator.states import CheckpointState, EvalState
+from orchestrator.states import CheckpointState, EvalState, TaskState
 
 PIN_OWNER = "eval-pending"  # rotation keeps a checkpoint until its evaluation is over
+BEST_OWNER = "keep-best"  # checkpoint.keep_best
 
 
 def settings_of(exp: dict):
@@ -29,6 +31,19 @@ def settings_of(exp: dict):
         return None
 
 
+def keep_best_of(exp: dict):
+    """The experiment's ``checkpoint.keep_best`` (None: none)."""
+    from pydantic import ValidationError
+
+    from orchestrator.spec.policies import KeepBest
+
+    try:
+        value = json.loads(exp.get("spec") or "{}").get("checkpoint", {}).get("keep_best")
+        return None if value is None else KeepBest.model_validate(value)
+    except (ValueError, AttributeError, ValidationError):
+        return None
+
+
 def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
     """Due checkpoints planned (and pinned), finished evaluations recorded, due ones started."""
     exp_id, idx, tdir = exp["id"], task["idx"], Path(task["task_dir"])
@@ -38,13 +53,59 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
         ledger.plan_evaluation(exp_id, idx, step, folder, f"checkpoint step {step} committed: its evaluation is due")
     rows = ledger.evaluations(exp_id, idx)
     _pin(tdir, rows)
+    if committed:  # after the pins: rotation may now remove what is not due
+        contract.write_seen(tdir, max(s for s, _ in committed))
     for row in rows:
         if row["state"] == EvalState.RUNNING.value:
             _watch(ledger, exp_id, idx, tdir, row, settings, clock)
     rows = ledger.evaluations(exp_id, idx)
+    _keep_best(ledger, exp, idx, tdir, rows)
     for row in policy.to_start(rows, settings.max_parallel):
         _start(ledger, exp, idx, tdir, row, settings)
-    _pin(tdir, ledger.evaluations(exp_id, idx))
+    rows = ledger.evaluations(exp_id, idx)
+    _pin(tdir, rows)
+    if TaskState(task["state"]).terminal and not any(EvalState(r["state"]).outstanding for r in rows):
+        _rotate(ledger, exp, idx, tdir)
+
+
+def _rotate(ledger, exp: dict, idx: int, tdir: Path) -> None:
+    """The rotation training would have done, had it gone on: the checkpoints kept for their
+    evaluations, now over, past ``keep_last`` and not pinned, removed (recorded PRUNED)."""
+    try:
+        keep_last = int(json.loads(exp.get("spec") or "{}").get("checkpoint", {}).get("keep_last", 2))
+    except (ValueError, AttributeError, TypeError):
+        return
+    pinned = contract.read_pins(tdir)
+    for step, folder in contract.committed_checkpoints(tdir)[max(keep_last, 2):]:
+        if step in pinned:
+            continue
+        try:
+            contract.discard_checkpoint(folder)
+        except (contract.UnsafeDeletion, OSError):
+            continue  # a link, or gone already: left as it is
+        ledger.mark_checkpoint(exp["id"], idx, step, CheckpointState.PRUNED)
+        ledger.event(exp["id"], "checkpoint.rotated", f"step {step}: its evaluation over, past keep_last {keep_last} "
+                     "and not among the best: removed", idx=idx, data={"step": step})
+
+
+def _keep_best(ledger, exp: dict, idx: int, tdir: Path, rows: list[dict]) -> None:
+    """The best checkpoints pinned (checkpoint.keep_best), each keeping its export; the
+    exports of the other evaluated ones removed (a full model's is as big as the model)."""
+    keep = keep_best_of(exp)
+    kept = policy.best(rows, keep.metric, keep.mode, keep.n) if keep else []
+    pins = {r["step"]: f"best by {keep.metric}: {r['metrics'][keep.metric]:.4g} (keep_best)" for r in kept}
+    if keep and (pins or os.path.lexists(contract.pins_path(tdir, BEST_OWNER))):
+        contract.write_pins(tdir, BEST_OWNER, pins)
+    said = (ledger.newest_task_events(exp["id"], "eval.best").get(idx) or {}).get("data")
+    said = json.loads(said) if isinstance(said, str) else (said or {})
+    if kept and said.get("step") != kept[0]["step"]:
+        top = kept[0]
+        ledger.event(exp["id"], "eval.best", f"step {top['step']} is the best by {keep.metric} "
+                     f"({top['metrics'][keep.metric]:.4g}): kept past keep_last", idx=idx, data={"step": top["step"]})
+    for r in rows:
+        model = contract.eval_dir(tdir, r["step"]) / "model"
+        if r["state"] == EvalState.DONE.value and r["step"] not in pins and model.is_dir() and not model.is_symlink():
+            shutil.rmtree(model, ignore_errors=True)
 
 
 def _watch(ledger, exp_id: str, idx: int, tdir: Path, row: dict, settings, clock) -> None:

@@ -102,6 +102,7 @@ class Spec(Strict):
                 )
         self._workload_pairs()
         self._checkpoint_pairs()
+        self._evaluation_pairs()
         if self.engine.precision == "fp16" and self.resources.gpus_per_task == 0:
             raise FieldError(
                 ("engine", "precision"),
@@ -130,6 +131,17 @@ class Spec(Strict):
         if self.checkpoint.snapshot_every_steps is not None and self.resources.nodes > 1:
             raise FieldError(("checkpoint", "snapshot_every_steps"), f"a snapshot in a node's memory is seen by that node's "
                              f"ranks only, and this task has {self.resources.nodes} nodes: leave it out, or use resources.nodes: 1")
+
+    def _evaluation_pairs(self) -> None:
+        best, ce = self.checkpoint.keep_best, self.eval.checkpoints
+        if best is None:
+            return
+        if ce is None:
+            raise FieldError(("checkpoint", "keep_best"), "the best by what? keep_best needs eval.checkpoints, whose metric it names")
+        names = [*ce.metrics, *([ce.score.split(":")[1]] if ce.score else [])]
+        if best.metric not in names:
+            raise FieldError(("checkpoint", "keep_best", "metric"), f"{best.metric!r} is not a metric of eval.checkpoints "
+                             f"({', '.join(names)})")
 
     def _workload_pairs(self) -> None:
         m, d = self.model.kind, self.data.kind

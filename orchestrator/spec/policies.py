@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from orchestrator.spec import slurmtext
 from orchestrator.spec.notifications import TRIGGERS, url_problem
-from orchestrator.spec.scope import INTEGRATIONS_ONLY, TRAINER_ONLY, WITH_INTEGRATION, Derived
+from orchestrator.spec.scope import BY_THE_WATCHER, INTEGRATIONS_ONLY, LOGIN_SIDE, TRAINER_ONLY, WITH_INTEGRATION, Derived
 from orchestrator.spec.strict import DAY_S, MAX_RETRIES, MAX_STEPS, YEAR_S, FieldError, Strict
 from orchestrator.spec.units import parse_bytes
 
@@ -50,6 +50,14 @@ class Consolidate(Strict):
         return v
 
 
+class KeepBest(Strict):
+    """The best checkpoints by an evaluation's metric, kept past `keep_last`."""
+
+    metric: str = Field(pattern=r"^[A-Za-z_][\w.-]*$", description="A metric of `eval.checkpoints` (`exact_match`, ...).")
+    mode: Literal["max", "min"] = Field("max", description="`max`: the higher the better; `min`: the lower.")
+    n: int = Field(1, ge=1, le=100, strict=True, description="How many of the best are kept.")
+
+
 class Checkpoint(Strict):
     every_steps: Annotated[int | Literal["auto"] | None, TRAINER_ONLY] = Field(
         None,
@@ -69,6 +77,12 @@ class Checkpoint(Strict):
     )
     keep_last: Annotated[int, WITH_INTEGRATION] = Field(
         2, ge=2, le=MAX_RETRIES, strict=True, description="Committed checkpoints kept; at least 2, since the newest may be damaged."
+    )
+    keep_best: Annotated[KeepBest | None, LOGIN_SIDE, BY_THE_WATCHER] = Field(
+        None,
+        description="Also keep the best `n` checkpoints by a metric of `eval.checkpoints`, whatever their age: pinned, "
+        "so neither rotation nor `ckpt prune` (unless `--include-pinned`) removes them, each with its exported Hugging "
+        "Face folder; `orchestrate ckpt best` names them.",
     )
     snapshot_every_steps: Annotated[int | None, TRAINER_ONLY] = Field(
         None, ge=1, le=MAX_STEPS, strict=True,

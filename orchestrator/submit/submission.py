@@ -212,6 +212,8 @@ def write_run_folder(plan: Plan) -> None:
         contract.atomic_write_json(contract.task_config_path(t.task_dir), config)
         if config["deepspeed_config"] is not None:  # for the user to read; the trainer reads task.json
             contract.atomic_write_json(contract.deepspeed_config_path(t.task_dir), config["deepspeed_config"])
+        if plan.spec.eval.checkpoints is not None:  # rotation keeps what the watcher has not seen yet
+            contract.write_seen(t.task_dir, -1)
 
 
 def submit(ledger: Ledger, plan: Plan, scheduler: Scheduler | None = None, watched: bool = False) -> dict[int, str]:

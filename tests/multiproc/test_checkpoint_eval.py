@@ -107,9 +107,10 @@ def test_a_bad_prompts_file_names_its_line(home, tmp_path):
     assert out.returncode == 2 and f"{bad}:2:" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-WATCHED = SPEC + """\
-eval: {{checkpoints: {{prompts: {prompts}, metrics: [exact_match, contains], retries: 1}}}}
+WATCHED = SPEC.replace("keep_last: 3", "keep_last: 2, keep_best: {{metric: answer_length, mode: min}}") + """\
+eval: {{checkpoints: {{prompts: {prompts}, metrics: [exact_match, contains], score: "lengths:answer_length", retries: 1}}}}
 """
+LENGTHS = "def answer_length(answer, reference, prompt):\n    return len(answer)\n"
 
 
 def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation_is_tried_again(home, tmp_path, tiny_model):
@@ -123,6 +124,7 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     data = tiny.make_chat_data(tmp_path / "train.jsonl", n=32)
     prompts = tmp_path / "heldout.jsonl"
     prompts.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:6]))
+    (tmp_path / "lengths.py").write_text(LENGTHS)  # importable from the spec's folder
     spec = write(tmp_path / "exp.yaml", WATCHED.format(model=tiny_model, data=data, prompts=prompts.name))
     env = {**os.environ, "ORCHESTRATE_HOME": str(home)}
     run = subprocess.Popen([sys.executable, "-m", "orchestrator", "submit", str(spec), "--executor", "local", "--wait", "--json"],
@@ -147,13 +149,25 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     rows = ledger.evaluations(exp["id"], 0)
     assert [(r["step"], r["state"]) for r in rows] == [(3, "DONE"), (6, "DONE"), (9, "DONE")], rows
     assert {r["step"]: r["tries"] for r in rows} == {3: 1, 6: 1, 9: 1, killed["step"]: 2}
-    assert all(set(r["metrics"]) == {"exact_match", "contains"} for r in rows)
+    assert all(set(r["metrics"]) == {"exact_match", "contains", "answer_length"} for r in rows)
     kinds = [(e["kind"], e["cause"]) for e in ledger.events(exp["id"]) if e["kind"].startswith("eval.")]
     results = [c for k, c in kinds if k == "eval.result"]
     assert len(results) == 3 and all(c.startswith(f"step {s}: ") for c, s in zip(results, (3, 6, 9)))  # once each, in order
     retry = [c for k, c in kinds if k == "eval.retry"]
     assert len(retry) == 1 and f"evaluation of step {killed['step']} ended without a result (try 1 of 2)" in retry[0], kinds
     tdir = contract.task_dir(exp["run_dir"], 0)
-    assert contract.read_pins(tdir) == {}  # nothing kept for an evaluation any more: keep_last decides again
     doc = exp["tasks"][0]["evaluations"]
-    assert doc["done"] == 3 and doc["latest"]["step"] == 9 and set(doc["best"]) == {"exact_match", "contains"}
+    assert doc["done"] == 3 and doc["latest"]["step"] == 9 and set(doc["best"]) == {"exact_match", "contains", "answer_length"}
+
+    # keep_best: the shortest answers' checkpoint is pinned (nothing else: no evaluation is
+    # due), kept past keep_last 2 with its export; the others' exports are gone
+    lengths = {r["step"]: r["metrics"]["answer_length"] for r in rows}
+    best = min(lengths, key=lambda s: (lengths[s], -s))
+    assert list(contract.read_pins(tdir)) == [best] and "best by answer_length" in contract.read_pins(tdir)[best]
+    assert sorted(s for s, _ in contract.committed_checkpoints(tdir)) == sorted({best, 6, 9})
+    assert {s: (contract.eval_dir(tdir, s) / "model").is_dir() for s in (3, 6, 9)} == {s: s == best for s in (3, 6, 9)}
+    said = json.loads(cli("ckpt", "best", exp["id"], "--json", home=home).stdout)
+    assert [(b["task"], b["step"], b["metric"]) for b in said] == [("0", best, "answer_length")]
+    assert said[0]["export"] == str(contract.eval_dir(tdir, best) / "model") and said[0]["checkpoint"]
+    assert any(e["kind"] == "eval.best" and e["cause"].startswith(f"step {best} is the best by answer_length")
+               for e in ledger.events(exp["id"]))

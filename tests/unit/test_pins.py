@@ -65,3 +65,22 @@ def test_prune_keeps_pinned_ones_unless_asked(tmp_path):
     assert steps(tdir) == [300, 100]
     out = cli("ckpt", "prune", str(tmp_path / "run"), "--keep", "1", "--include-pinned", home=tmp_path / "home")
     assert out.returncode == 0 and steps(tdir) == [300], out.stderr
+
+
+def test_rotation_keeps_what_the_watcher_has_not_seen_while_checkpoints_are_evaluated(tmp_path):
+    tdir = tmp_path / "task"
+    assert contract.unseen_after(tdir) is None  # no evaluations: keep_last alone
+    contract.write_seen(tdir, -1)  # at submission
+    for step in (100, 200, 300):
+        make_checkpoint(tdir, step)
+        rotation = Rotation(tdir, keep_last=2)
+        rotation.rotate()
+        rotation.wait()
+    assert steps(tdir) == [300, 200, 100]  # the watcher has looked at none of them yet
+    contract.write_seen(tdir, 300)  # it has (and pinned what it needs): rotation goes on
+    make_checkpoint(tdir, 400)
+    Rotation(tdir, keep_last=2).rotate()
+    assert steps(tdir) == [400, 300]
+    contract.pins_path(tdir, "evaluations-seen").write_text("{damaged")
+    assert contract.unseen_after(tdir) == -1  # a damaged watermark keeps everything
+    assert contract.read_pins(tdir) == {}

@@ -24,8 +24,9 @@ class Rotation:
         self.wait()
         trash = []
         pinned = contract.read_pins(self.task_dir)
+        unseen = contract.unseen_after(self.task_dir)  # eval.checkpoints: the watcher has not looked at these yet
         for step, folder in contract.committed_checkpoints(self.task_dir)[self.keep_last:]:
-            if step in pinned:
+            if step in pinned or (unseen is not None and step > unseen):
                 continue
             try:
                 trash.append(contract.discard_checkpoint(folder, remove=False))
