@@ -20,26 +20,24 @@ BEST_OWNER = "keep-best"  # checkpoint.keep_best
 
 def settings_of(exp: dict):
     """The experiment's ``eval.checkpoints``, as validated at submission (None: it asks for none)."""
-    from pydantic import ValidationError
-
     from orchestrator.spec.hf import CheckpointEval
 
-    try:
-        value = json.loads(exp.get("spec") or "{}").get("eval", {}).get("checkpoints")
-        return None if value is None else CheckpointEval.model_validate(value)
-    except (ValueError, AttributeError, ValidationError):
-        return None
+    return _section(exp, "eval", "checkpoints", CheckpointEval)
 
 
 def keep_best_of(exp: dict):
     """The experiment's ``checkpoint.keep_best`` (None: none)."""
-    from pydantic import ValidationError
-
     from orchestrator.spec.policies import KeepBest
 
+    return _section(exp, "checkpoint", "keep_best", KeepBest)
+
+
+def _section(exp: dict, section: str, key: str, model):
+    from pydantic import ValidationError
+
     try:
-        value = json.loads(exp.get("spec") or "{}").get("checkpoint", {}).get("keep_best")
-        return None if value is None else KeepBest.model_validate(value)
+        value = json.loads(exp.get("spec") or "{}").get(section, {}).get(key)
+        return None if value is None else model.model_validate(value)
     except (ValueError, AttributeError, ValidationError):
         return None
 

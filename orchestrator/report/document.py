@@ -73,9 +73,37 @@ def task_report(ledger: Ledger, exp: dict, task: dict, gpus: int, seen: dict[int
         "saves": g.saves,
         "segments": [asdict(s) for s in g.segments],
         "points": points,
+        "evaluations": [{"step": r["step"], "state": r["state"], "metrics": r["metrics"]} for r in ledger.evaluations(exp["id"], task["idx"])],
         "bad_records": rec.bad,
         "records_cut": rec.cut,
     }
+
+
+def _spec_keep_best(exp: dict) -> dict | None:
+    """``checkpoint.keep_best``, else the first metric of ``eval.checkpoints`` (highest best)."""
+    spec = json.loads(exp.get("spec") or "{}")
+    keep = spec.get("checkpoint", {}).get("keep_best")
+    metrics = (spec.get("eval", {}).get("checkpoints") or {}).get("metrics") or []
+    return keep or ({"metric": metrics[0], "mode": "max"} if metrics else None)
+
+
+def ranking(tasks: list[dict], keep_best: dict | None) -> dict | None:
+    """The tasks by their best evaluation (``checkpoint.keep_best``'s metric and mode, else
+    the first metric, the higher the better; ties: the later step, as keep_best keeps): the
+    sweep's answer. None without evaluations."""
+    done = [(t, e) for t in tasks for e in t["evaluations"] if e["state"] == "DONE" and isinstance(e["metrics"], dict)]
+    if not done:
+        return None
+    metric = (keep_best or {}).get("metric") or next(iter(done[0][1]["metrics"]), None)
+    sign = -1 if (keep_best or {}).get("mode", "max") == "max" else 1
+    best: dict[int, dict] = {}
+    for t, e in done:
+        value = e["metrics"].get(metric)
+        was = best.get(t["index"])
+        if isinstance(value, (int, float)) and (was is None or (sign * value, -e["step"]) < (sign * was["value"], -was["step"])):
+            best[t["index"]] = {"task": t["index"], "params": t["params"], "step": e["step"], "value": value}
+    return {"metric": metric, "mode": "max" if sign < 0 else "min",
+            "tasks": sorted(best.values(), key=lambda b: (sign * b["value"], b["task"]))}
 
 
 def _totals(tasks: list[dict]) -> dict:
@@ -102,6 +130,7 @@ def experiment_report(ledger: Ledger, exp: dict, now: float | None = None, slurm
     projection = None if mtbf_s is None else faultcost.project(totals["seconds"]["productive"], totals["allocated_s"], kinds, mtbf_s)
     return json_safe({
         "experiment": {k: exp.get(k) for k in ("id", "name", "state", "executor", "created_at", "updated_at")},
+        "ranking": ranking(tasks, _spec_keep_best(exp)),
         "generated_at": now,
         "sweep_keys": keys,
         "tasks": tasks,

@@ -130,6 +130,20 @@ def _tasks_table(doc: dict) -> str:
     return _table(["task", "params", "state", "attempts", "step", "loss", "eval loss", "reason"], rows, numeric={3, 4, 5, 6})
 
 
+def _evaluations(doc: dict) -> list[str]:
+    """Each checkpoint's evaluation against the step, and the tasks ranked by their best."""
+    fig = plots.eval_figure(doc["tasks"], doc.get("ranking"))
+    if fig is None:
+        return []
+    r = doc["ranking"]
+    rows = [[_t(b["task"]), _t(", ".join(f"{k}={v}" for k, v in b["params"].items())), _t(b["step"]), _n(b["value"], ".4g")]
+            for b in r["tasks"]]
+    return ["<h2>Evaluations of checkpoints</h2>",
+            '<p class="muted">Each metric of each evaluated checkpoint against its step; grey: the loss; star: the best by '
+            f"{_t(r['metric'])} ({_t(r['mode'])}).</p>", _figure("evaluations", fig),
+            f"<h3>Tasks by their best {_t(r['metric'])}</h3>", _table(["task", "params", "step", _t(r["metric"])], rows, numeric={2, 3})]
+
+
 def _events_table(doc: dict) -> str:
     events = doc["events"][-EVENTS_SHOWN:]
     rows = [[_when(e["time"]), _t(e["idx"]), _t(e["attempt"]), _t(e["kind"]),
@@ -160,6 +174,7 @@ def render(doc: dict) -> str:
         "<h2>Throughput</h2>", _figure("throughput", plots.throughput_figure(tasks)),
         "<h2>Checkpoints</h2>", _saves_table(doc), _figure("saves", plots.saves_figure(tasks) if any(t["saves"] for t in tasks) else None),
     ]
+    parts += _evaluations(doc)
     sweep = plots.sweep_figure(tasks, doc["sweep_keys"])
     if sweep:
         parts += ["<h2>Sweep</h2>", _figure("sweep", sweep)]

@@ -94,6 +94,40 @@ def loss_figure(tasks: list[dict], key: str = "loss") -> str:
     return svg(fig)
 
 
+def eval_figure(tasks: list[dict], ranking: dict | None) -> str | None:
+    """Each evaluation metric against the step per task, the loss beside it (grey, its own
+    axis); the best step by the ranking's metric starred."""
+    shown = [t for t in tasks[:TASKS_DRAWN] if any(e["state"] == "DONE" for e in t["evaluations"])]
+    if not shown:
+        return None
+    cols = 1 if len(shown) == 1 else 2
+    fig = _figure(6.5 * cols, 3.0 * ((len(shown) + cols - 1) // cols))
+    axes = list(fig.subplots((len(shown) + cols - 1) // cols, cols, squeeze=False).flat)
+    best = {b["task"]: b for b in (ranking or {}).get("tasks", [])}
+    for t, ax in zip(shown, axes):
+        done = sorted((e for e in t["evaluations"] if e["state"] == "DONE" and e["metrics"]), key=lambda e: e["step"])
+        for name in sorted({k for e in done for k in e["metrics"]}):
+            pts = [(e["step"], e["metrics"][name]) for e in done if isinstance(e["metrics"].get(name), (int, float))]
+            ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2, label=plain(name))[0].set_gid(f"evalm-{t['index']}-{plain(name)}")
+        if t["index"] in best:
+            b = best[t["index"]]
+            ax.scatter([b["step"]], [b["value"]], marker="*", s=120, color="#f9a825", zorder=4,
+                       label=plain(f"best {ranking['metric']}")).set_gid(f"best-{t['index']}")
+        loss = [(p["step"], p["loss"]) for p in t["points"] if p.get("loss") is not None]
+        if loss:
+            twin = ax.twinx()
+            twin.plot(*zip(*loss), color="#9e9e9e", lw=0.8, alpha=0.7)
+            twin.set_ylabel("loss", color="#9e9e9e")
+        ax.set_title(_task_title(t), fontsize=9, loc="left")
+        ax.set_xlabel("step")
+        ax.set_ylabel("metric")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(shown):]:
+        ax.set_visible(False)
+    return svg(fig)
+
+
 def throughput_figure(tasks: list[dict]) -> str:
     fig = _figure(9, 3.2)
     ax = fig.subplots()

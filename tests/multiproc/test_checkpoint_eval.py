@@ -171,3 +171,14 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     assert said[0]["export"] == str(contract.eval_dir(tdir, best) / "model") and said[0]["checkpoint"]
     assert any(e["kind"] == "eval.best" and e["cause"].startswith(f"step {best} is the best by answer_length")
                for e in ledger.events(exp["id"]))
+    # the report: each metric against the step, the best starred, the tasks ranked by it
+    rep = cli("report", exp["id"], "--json", home=home)
+    assert rep.returncode == 0, rep.stderr
+    doc = json.loads(rep.stdout)
+    assert [e["step"] for e in doc["tasks"][0]["evaluations"]] == [3, 6, 9]
+    assert doc["ranking"]["metric"] == "answer_length" and doc["ranking"]["mode"] == "min"
+    assert [(b["task"], b["step"]) for b in doc["ranking"]["tasks"]] == [(0, best)]
+    page = tmp_path / "report.html"
+    assert cli("report", exp["id"], "--out", str(page), home=home).returncode == 0
+    html = page.read_text()
+    assert 'id="evaluations"' in html and 'id="best-0"' in html and "Tasks by their best answer_length" in html
