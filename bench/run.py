@@ -1,7 +1,7 @@
 """Runs every benchmark and writes bench/RESULTS.md (and the raw figures in
 bench/results.json). Benchmarks are never part of the test suite's pass/fail.
 
-    python bench/run.py [--quick] [--only submission,thousand,faults,hangs,soak,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load]
+    python bench/run.py [--quick] [--only submission,thousand,faults,hangs,soak,consolidate,checkpoint_save,overhead,ledger,rank_start,hf_trainer,data_scale,data_restart,model_load,evals]
 
 Each benchmark compares against a peer or a physical limit measured in the same run,
 and reports min / median / max over its repeats. --quick: fewer repeats, smaller sizes
@@ -44,6 +44,7 @@ BENCHES = {
                    ["--sizes", "2000,10000", "--before-max", "2000", "--peer-max", "2000"]),
     "data_restart": ("Restart at scale: a killed rank against its cold start", ["--size", "1000000"], ["--size", "2000"]),
     "model_load": ("Loading a model: host memory per rank", ["--layers", "32"], ["--layers", "4"]),
+    "evals": ("Evaluating every checkpoint off the training path", ["--steps", "60"], ["--steps", "20"]),
 }
 
 

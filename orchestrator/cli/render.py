@@ -90,7 +90,8 @@ def _nodes(last: dict, task: dict) -> list[str]:
 
 def evaluations_document(rows: list[dict]) -> dict | None:
     """A task's evaluations of checkpoints: counts by state, the latest result, the best
-    step by each metric (higher is better); None when it has none."""
+    step by each metric (higher is better; ties: the later step, as keep_best keeps); None
+    when it has none."""
     if not rows:
         return None
     done = [r for r in rows if r["state"] == "DONE" and isinstance(r.get("metrics"), dict)]
@@ -98,7 +99,7 @@ def evaluations_document(rows: list[dict]) -> dict | None:
     best = {}
     for r in done:
         for name, value in r["metrics"].items():
-            if _number(value) is not None and (name not in best or value > best[name]["value"]):
+            if _number(value) is not None and (name not in best or value >= best[name]["value"]):  # ties: the later step
                 best[name] = {"step": r["step"], "value": value}
     latest = max(done, key=lambda r: r["step"], default=None)
     return {**counts, "latest": latest and {"step": latest["step"], "metrics": latest["metrics"]}, "best": best}

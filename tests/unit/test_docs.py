@@ -177,12 +177,15 @@ def test_every_config_named_exists_and_validates(tmp_path, request):
         model, data = spec.get("model") or {}, spec.get("data") or {}
         missing_model = model.get("kind") == "hf" and not Path(os.path.expanduser(model["path"])).exists()
         missing_data = data.get("kind") == "jsonl" and not Path(os.path.expanduser(data["path"])).exists()
-        if missing_model or missing_data:
+        prompts = ((spec.get("eval") or {}).get("checkpoints") or {}).get("prompts")
+        missing_prompts = prompts is not None and not Path(os.path.expanduser(prompts)).exists()
+        if missing_model or missing_data or missing_prompts:
             if importlib.util.find_spec("transformers") is None and not os.environ.get("CI"):
                 continue  # the hf extra is not installed: these are checked where it is
             made = request.getfixturevalue("stand_ins")
             extra += ["--set", f"model.path={made['model']}"] if missing_model else []
             extra += ["--set", f"data.path={made['data']}"] if missing_data else []
+            extra += ["--set", f"eval.checkpoints.prompts={made['data']}"] if missing_prompts else []
         cwd = model.get("cwd")  # a command's working folder: made by the set-up the config's comments give
         if model.get("kind") == "command" and cwd:
             # (the tool's own config the comments copy there: configs/axolotl-smollm2-lora.yml)
