@@ -37,6 +37,10 @@ def start(cmd: list[str], out: Path, cwd: str) -> tuple[int, int | None]:
     _children[proc.pid] = proc
     try:
         os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
+        # its own session is its own autogroup on Linux, which the scheduler shares out as
+        # fairly as the training's: the niceness of the group is what counts
+        with open(f"/proc/{proc.pid}/autogroup", "w") as fh:
+            fh.write(str(NICE))
     except OSError:
         pass
     return proc.pid, process_start_ticks(proc.pid)
