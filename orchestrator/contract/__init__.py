@@ -93,7 +93,7 @@ from .layout import (
     weights_dir,
     weights_tmp_dir,
 )
-from .pins import pins_path, read_pins, unseen_after, write_pins, write_seen
+from .pins import pins_path, read_owner_pins, read_pins, unseen_after, write_pins, write_seen
 from .records import CONTRACT_VERSION, Phase, RequeueBy, heartbeat_record
 from .snapshots import discard_snapshots, private_snapshot_root, snapshot_root
 
@@ -149,6 +149,7 @@ __all__ = [
     "check_member",
     "checkpoint_name",
     "pins_path",
+    "read_owner_pins",
     "read_pins",
     "unseen_after",
     "write_seen",

@@ -76,6 +76,11 @@ def read_pins(tdir: str | os.PathLike) -> dict[int, str]:
     return out
 
 
+def read_owner_pins(tdir: str | os.PathLike, owner: str) -> dict[int, str]:
+    """``owner``'s own pins (none: {})."""
+    return _owner_pins(pins_path(tdir, owner))
+
+
 def _owner_pins(path: Path) -> dict[int, str]:
     try:
         data = safe_read.read_capped(path, _MAX, follow=False)

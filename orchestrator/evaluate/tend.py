@@ -46,13 +46,16 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
     """Due checkpoints planned (and pinned), finished evaluations recorded, due ones started."""
     exp_id, idx, tdir = exp["id"], task["idx"], Path(task["task_dir"])
     rows = ledger.evaluations(exp_id, idx)
+    if exp["state"] == TaskState.CANCELLED.value:
+        _cancel(ledger, exp_id, idx, tdir, rows)
+        return
     committed = [(c["step"], c["path"]) for c in ledger.checkpoints(exp_id, idx) if c["state"] == CheckpointState.COMMITTED.value]
     for step, folder in policy.due(committed, {r["step"] for r in rows}, settings.every):
         ledger.plan_evaluation(exp_id, idx, step, folder, f"checkpoint step {step} committed: its evaluation is due")
     rows = ledger.evaluations(exp_id, idx)
     _pin(tdir, rows)
-    if committed:  # after the pins: rotation may now remove what is not due
-        contract.write_seen(tdir, max(s for s, _ in committed))
+    if committed and contract.unseen_after(tdir) != max(s for s, _ in committed):  # after the pins: rotation may
+        contract.write_seen(tdir, max(s for s, _ in committed))                 # now remove what is not due
     for row in rows:
         if row["state"] == EvalState.RUNNING.value:
             _watch(ledger, exp_id, idx, tdir, row, settings, clock)
@@ -64,6 +67,19 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
     _pin(tdir, rows)
     if TaskState(task["state"]).terminal and not any(EvalState(r["state"]).outstanding for r in rows):
         _rotate(ledger, exp, idx, tdir)
+
+
+def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict]) -> None:
+    """A cancelled experiment's evaluations stop with it: the running ones killed, the due
+    ones skipped, each with its event."""
+    for row in rows:
+        if not EvalState(row["state"]).outstanding:
+            continue
+        if row["state"] == EvalState.RUNNING.value and process.alive(row["pid"], row["start_ticks"]):
+            _stop(row["pid"])
+        ledger.end_evaluation(exp_id, idx, row["step"], EvalState.SKIPPED, f"step {row['step']} not evaluated: the "
+                              "experiment was cancelled", "eval.skipped")
+    _pin(tdir, ledger.evaluations(exp_id, idx))
 
 
 def _rotate(ledger, exp: dict, idx: int, tdir: Path) -> None:
@@ -92,7 +108,7 @@ def _keep_best(ledger, exp: dict, idx: int, tdir: Path, rows: list[dict]) -> Non
     keep = keep_best_of(exp)
     kept = policy.best(rows, keep.metric, keep.mode, keep.n) if keep else []
     pins = {r["step"]: f"best by {keep.metric}: {r['metrics'][keep.metric]:.4g} (keep_best)" for r in kept}
-    if keep and (pins or os.path.lexists(contract.pins_path(tdir, BEST_OWNER))):
+    if keep and contract.read_owner_pins(tdir, BEST_OWNER) != pins:
         contract.write_pins(tdir, BEST_OWNER, pins)
     said = (ledger.newest_task_events(exp["id"], "eval.best").get(idx) or {}).get("data")
     said = json.loads(said) if isinstance(said, str) else (said or {})
@@ -156,7 +172,8 @@ def _read(path: Path, schema) -> dict | None:
 
 
 def _pin(tdir: Path, rows: list[dict]) -> None:
-    """The checkpoints whose evaluation is not over are kept past keep_last."""
+    """The checkpoints whose evaluation is not over are kept past keep_last (written only
+    when that changes: a sweep's thousand tasks are looked at every cycle)."""
     pins = {r["step"]: "its evaluation is due" for r in rows if EvalState(r["state"]).outstanding}
-    if pins or contract.read_pins(tdir):
+    if contract.read_owner_pins(tdir, PIN_OWNER) != pins:
         contract.write_pins(tdir, PIN_OWNER, pins)

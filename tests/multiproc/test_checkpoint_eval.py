@@ -182,3 +182,39 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     assert cli("report", exp["id"], "--out", str(page), home=home).returncode == 0
     html = page.read_text()
     assert 'id="evaluations"' in html and 'id="best-0"' in html and "Tasks by their best answer_length" in html
+
+
+SLOW = "import time\n\ndef slow(answer, reference, prompt):\n    time.sleep(60)\n    return 1.0\n"
+
+
+def test_a_cancelled_experiment_stops_its_evaluations(home, tmp_path, tiny_model):
+    import os
+    import subprocess
+    import time
+
+    from orchestrator.ledger import Ledger
+    from orchestrator.scheduler.local import process_start_ticks
+
+    data = tiny.make_chat_data(tmp_path / "train.jsonl", n=32)
+    prompts = tmp_path / "heldout.jsonl"
+    prompts.write_text("".join(line + "\n" for line in data.read_text().splitlines()[:2]))
+    (tmp_path / "slowscore.py").write_text(SLOW)  # an evaluation that takes its time
+    text = (SPEC + "eval: {{checkpoints: {{prompts: {prompts}, score: 'slowscore:slow'}}}}\n").format(
+        model=tiny_model, data=data, prompts=prompts.name)
+    env = {**os.environ, "ORCHESTRATE_HOME": str(home)}
+    run = subprocess.Popen([sys.executable, "-m", "orchestrator", "submit", str(write(tmp_path / "exp.yaml", text)),
+                            "--executor", "local", "--wait"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=tmp_path)
+    running, deadline = None, time.time() + 240
+    while running is None and time.time() < deadline and run.poll() is None:
+        time.sleep(0.3)
+        if (home / "ledger.db").exists():
+            ledger = Ledger.open(home / "ledger.db")
+            running = next((r for e in ledger.find_experiments() for r in ledger.evaluations(e["id"]) if r["state"] == "RUNNING"), None)
+    assert running is not None, run.stderr.read()[-3000:] if run.poll() is not None else "no evaluation started"
+    assert cli("cancel", running["experiment_id"], home=home).returncode == 0
+    run.wait(timeout=120)  # --wait returns: nothing is left to wait for
+    rows = Ledger.open(home / "ledger.db").evaluations(running["experiment_id"])
+    assert rows and all(r["state"] in ("SKIPPED", "DONE") for r in rows), rows
+    assert any(r["state"] == "SKIPPED" and "cancelled" in r["reason"] for r in rows)
+    assert process_start_ticks(running["pid"]) != running["start_ticks"]  # its process is gone
