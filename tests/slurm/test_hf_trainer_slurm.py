@@ -218,6 +218,7 @@ def test_a_damaged_newest_trainer_checkpoint_is_skipped_on_resume(home, tmp_path
 
 
 def test_an_accelerate_loop_with_the_helper_resumes_bitwise_after_a_requeue(home):
+    sys.path.insert(0, str(REPO / "tests" / "multiproc"))  # the helper's module, when this file runs alone
     from test_resume import run_and_interrupt
 
     exp = run_and_interrupt(home, "configs/accelerate.yaml", 25, "--set", "sweep={grid: {env.RUN: [plain, interrupted]}}")
