@@ -66,12 +66,9 @@ def _targets(path: Path, every: bool) -> list[tuple[str, int, Path]]:
 
 
 def _result(out: Path) -> dict | None:
-    from orchestrator.contract import records, safe_read
+    from orchestrator.evaluate import tend
 
-    try:
-        return safe_read.read_record(out / "result.json", records.EVAL_RESULT)
-    except safe_read.BadRecord:
-        return None  # damaged: evaluated again
+    return tend.read_result(out)  # a damaged one: evaluated again
 
 
 def _numbers(result: dict) -> str:

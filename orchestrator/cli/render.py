@@ -21,6 +21,7 @@ from rich.console import Group
 from rich.text import Text
 
 from orchestrator.contract.safe_read import cut
+from orchestrator.evaluate import policy
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.names import watch_lease
 from orchestrator.ledger.values import as_text
@@ -97,10 +98,10 @@ def evaluations_document(rows: list[dict]) -> dict | None:
     done = [r for r in rows if r["state"] == "DONE" and isinstance(r.get("metrics"), dict)]
     counts = {state.lower(): sum(r["state"] == state for r in rows) for state in ("PENDING", "RUNNING", "DONE", "FAILED", "SKIPPED")}
     best = {}
-    for r in done:
-        for name, value in r["metrics"].items():
-            if _number(value) is not None and (name not in best or value >= best[name]["value"]):  # ties: the later step
-                best[name] = {"step": r["step"], "value": value}
+    for name in sorted({k for r in done for k in r["metrics"]}):
+        top = policy.best(done, name, "max", 1)
+        if top:
+            best[name] = {"step": top[0]["step"], "value": top[0]["metrics"][name]}
     latest = max(done, key=lambda r: r["step"], default=None)
     return {**counts, "latest": latest and {"step": latest["step"], "metrics": latest["metrics"]}, "best": best}
 

@@ -66,7 +66,7 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
     rows = ledger.evaluations(exp_id, idx)
     _pin(tdir, rows)
     if TaskState(task["state"]).terminal and not any(EvalState(r["state"]).outstanding for r in rows):
-        _rotate(ledger, exp, idx, tdir)
+        _rotate(ledger, exp, idx, tdir, committed, rows)
 
 
 def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict]) -> None:
@@ -82,24 +82,34 @@ def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict]) -> None
     _pin(tdir, ledger.evaluations(exp_id, idx))
 
 
-def _rotate(ledger, exp: dict, idx: int, tdir: Path) -> None:
+def _rotate(ledger, exp: dict, idx: int, tdir: Path, committed: list[tuple[int, str]], rows: list[dict]) -> None:
     """The rotation training would have done, had it gone on: the checkpoints kept for their
-    evaluations, now over, past ``keep_last`` and not pinned, removed (recorded PRUNED)."""
+    evaluations, now over, past ``keep_last`` and not pinned, removed; and those the
+    trainer's rotation removed, said. Each recorded PRUNED, so the ledger's rows alone tell
+    the next cycle there is nothing to do (no folder is looked at per task per cycle)."""
     try:
         keep_last = int(json.loads(exp.get("spec") or "{}").get("checkpoint", {}).get("keep_last", 2))
     except (ValueError, AttributeError, TypeError):
         return
+    keep = keep_best_of(exp)
+    best = {r["step"] for r in policy.best(rows, keep.metric, keep.mode, keep.n)} if keep else set()
+    candidates = [(s, f) for s, f in sorted(committed, reverse=True)[max(keep_last, 2):] if s not in best]
+    if not candidates:
+        return
     pinned = contract.read_pins(tdir)
-    for step, folder in contract.committed_checkpoints(tdir)[max(keep_last, 2):]:
+    for step, folder in candidates:
         if step in pinned:
             continue
-        try:
-            contract.discard_checkpoint(folder)
-        except (contract.UnsafeDeletion, OSError):
-            continue  # a link, or gone already: left as it is
+        if not os.path.lexists(Path(folder) / contract.MANIFEST):
+            cause = f"step {step}: removed by the trainer's rotation (keep_last {keep_last})"
+        else:
+            try:
+                contract.discard_checkpoint(folder)
+            except (contract.UnsafeDeletion, OSError):
+                continue  # a link: left as it is
+            cause = f"step {step}: its evaluation over, past keep_last {keep_last} and not among the best: removed"
         ledger.mark_checkpoint(exp["id"], idx, step, CheckpointState.PRUNED)
-        ledger.event(exp["id"], "checkpoint.rotated", f"step {step}: its evaluation over, past keep_last {keep_last} "
-                     "and not among the best: removed", idx=idx, data={"step": step})
+        ledger.event(exp["id"], "checkpoint.rotated", cause, idx=idx, data={"step": step})
 
 
 def _keep_best(ledger, exp: dict, idx: int, tdir: Path, rows: list[dict]) -> None:
@@ -129,7 +139,7 @@ def _watch(ledger, exp_id: str, idx: int, tdir: Path, row: dict, settings, clock
         if clock() - (row["started_at"] or clock()) <= settings.timeout_min * 60:
             return
         _stop(row["pid"])  # over its time: a failed try
-    result = _read(out / contract.EVAL_RESULT, records.EVAL_RESULT)
+    result = read_result(out)
     end = policy.ended(row, result, _read(out / contract.EVAL_ERROR, records.EVAL_ERROR), settings.retries)
     cause = end.cause
     if end.state is not EvalState.DONE and "without a result" in cause and (tail := process.log_tail(out)):
@@ -162,6 +172,11 @@ def _stop(pid: int) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     process.alive(pid, None)  # reaped
+
+
+def read_result(out: Path) -> dict | None:
+    """The result an evaluation wrote into its folder; None when absent or damaged."""
+    return _read(out / contract.EVAL_RESULT, records.EVAL_RESULT)
 
 
 def _read(path: Path, schema) -> dict | None:

@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict
 
+from orchestrator.evaluate import policy
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.values import json_safe
 from orchestrator.report import faultcost, goodput
@@ -91,19 +92,18 @@ def ranking(tasks: list[dict], keep_best: dict | None) -> dict | None:
     """The tasks by their best evaluation (``checkpoint.keep_best``'s metric and mode, else
     the first metric, the higher the better; ties: the later step, as keep_best keeps): the
     sweep's answer. None without evaluations."""
-    done = [(t, e) for t in tasks for e in t["evaluations"] if e["state"] == "DONE" and isinstance(e["metrics"], dict)]
+    done = [e for t in tasks for e in t["evaluations"] if e["state"] == "DONE" and isinstance(e["metrics"], dict)]
     if not done:
         return None
-    metric = (keep_best or {}).get("metric") or next(iter(done[0][1]["metrics"]), None)
-    sign = -1 if (keep_best or {}).get("mode", "max") == "max" else 1
-    best: dict[int, dict] = {}
-    for t, e in done:
-        value = e["metrics"].get(metric)
-        was = best.get(t["index"])
-        if isinstance(value, (int, float)) and (was is None or (sign * value, -e["step"]) < (sign * was["value"], -was["step"])):
-            best[t["index"]] = {"task": t["index"], "params": t["params"], "step": e["step"], "value": value}
-    return {"metric": metric, "mode": "max" if sign < 0 else "min",
-            "tasks": sorted(best.values(), key=lambda b: (sign * b["value"], b["task"]))}
+    metric = (keep_best or {}).get("metric") or next(iter(done[0]["metrics"]), None)
+    mode = (keep_best or {}).get("mode", "max")
+    best = []
+    for t in tasks:
+        top = policy.best(t["evaluations"], metric, mode, 1)
+        if top:
+            best.append({"task": t["index"], "params": t["params"], "step": top[0]["step"], "value": top[0]["metrics"][metric]})
+    sign = -1 if mode == "max" else 1
+    return {"metric": metric, "mode": mode, "tasks": sorted(best, key=lambda b: (sign * b["value"], b["task"]))}
 
 
 def _totals(tasks: list[dict]) -> dict:

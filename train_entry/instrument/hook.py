@@ -21,19 +21,7 @@ def instrument(trainer_module) -> None:
     here, so that an environment that cannot load it fails now, in the bootstrap (which
     says so and lets the program run), never later inside the program's Trainer."""
     importlib.import_module("train_entry.integrations.hf_trainer")
-
-    trainer = trainer_module.Trainer
-    if getattr(trainer.__init__, _MARK, False):
-        return
-    original = trainer.__init__
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        add_callback(self)
-
-    setattr(__init__, _MARK, True)
-    trainer.__init__ = __init__
+    _wrap_once(trainer_module.Trainer, "__init__", after=add_callback)
 
 
 def instrument_args(training_args_module) -> None:
@@ -41,18 +29,26 @@ def instrument_args(training_args_module) -> None:
     here: this runs while ``transformers.trainer`` may be importing this very module."""
     from train_entry.integrations import trainer_engine
 
-    cls = training_args_module.TrainingArguments
-    if getattr(cls.__post_init__, _MARK, False):
+    _wrap_once(training_args_module.TrainingArguments, "__post_init__", before=trainer_engine.hand_over)
+
+
+def _wrap_once(cls, name: str, before=None, after=None) -> None:
+    """``cls.name`` calls ``before(self)`` first and ``after(self)`` last; a second call does nothing."""
+    original = getattr(cls, name)
+    if getattr(original, _MARK, False):
         return
-    original = cls.__post_init__
 
     @functools.wraps(original)
-    def __post_init__(self, *args, **kwargs):
-        trainer_engine.hand_over(self)
-        return original(self, *args, **kwargs)
+    def wrapped(self, *args, **kwargs):
+        if before is not None:
+            before(self)
+        result = original(self, *args, **kwargs)
+        if after is not None:
+            after(self)
+        return result
 
-    setattr(__post_init__, _MARK, True)
-    cls.__post_init__ = __post_init__
+    setattr(wrapped, _MARK, True)
+    setattr(cls, name, wrapped)
 
 
 def add_callback(trainer) -> None:
