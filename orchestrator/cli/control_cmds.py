@@ -19,10 +19,13 @@ def cmd_cancel(args) -> int:
     ledger = access.open_ledger(access.home_dir(args.home))
     exp = access.resolve_experiment(ledger, args.experiment)[0]
     done = cancel.cancel(ledger, exp, args.task)
+    evaluations = cancel.stop_evaluations(ledger, exp, args.task)
     if done:
         print(f"cancelling task(s) {', '.join(map(str, done))} of {exp['name']} ({exp['id']})")
-    else:
-        print(f"nothing to cancel: no live task in {exp['name']} ({exp['id']})")
+    if evaluations:
+        print(f"stopping the evaluations of checkpoints of {exp['name']} ({exp['id']}) still due or running")
+    if not done and not evaluations:
+        print(f"nothing to cancel: no live task in {exp['name']} ({exp['id']}) and no evaluation due or running")
     return 0
 
 

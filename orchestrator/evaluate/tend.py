@@ -42,12 +42,14 @@ def _section(exp: dict, section: str, key: str, model):
         return None
 
 
-def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
-    """Due checkpoints planned (and pinned), finished evaluations recorded, due ones started."""
+def tend(ledger, exp: dict, task: dict, settings, clock=time.time, stopped: bool = False) -> None:
+    """Due checkpoints planned (and pinned), finished evaluations recorded, due ones started.
+    ``stopped``: ``orchestrate cancel`` asked this task's evaluations to stop."""
     exp_id, idx, tdir = exp["id"], task["idx"], Path(task["task_dir"])
     rows = ledger.evaluations(exp_id, idx)
-    if exp["state"] == TaskState.CANCELLED.value:
-        _cancel(ledger, exp_id, idx, tdir, rows)
+    if exp["state"] == TaskState.CANCELLED.value or stopped:
+        _cancel(ledger, exp_id, idx, tdir, rows, "the experiment was cancelled" if exp["state"] == TaskState.CANCELLED.value
+                else "its evaluations were cancelled")
         return
     committed = [(c["step"], c["path"]) for c in ledger.checkpoints(exp_id, idx) if c["state"] == CheckpointState.COMMITTED.value]
     for step, folder in policy.due(committed, {r["step"] for r in rows}, settings.every):
@@ -69,16 +71,17 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time) -> None:
         _rotate(ledger, exp, idx, tdir, committed, rows)
 
 
-def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict]) -> None:
-    """A cancelled experiment's evaluations stop with it: the running ones killed, the due
-    ones skipped, each with its event."""
+def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict], why: str) -> None:
+    """A cancelled experiment's evaluations stop with it (or, once its training is over,
+    when cancelled on their own): the running ones killed, the due ones skipped, each with
+    its event."""
     for row in rows:
         if not EvalState(row["state"]).outstanding:
             continue
         if row["state"] == EvalState.RUNNING.value and process.alive(row["pid"], row["start_ticks"]):
             _stop(row["pid"])
-        ledger.end_evaluation(exp_id, idx, row["step"], EvalState.SKIPPED, f"step {row['step']} not evaluated: the "
-                              "experiment was cancelled", "eval.skipped")
+        ledger.end_evaluation(exp_id, idx, row["step"], EvalState.SKIPPED, f"step {row['step']} not evaluated: {why}",
+                              "eval.skipped")
     _pin(tdir, ledger.evaluations(exp_id, idx))
 
 

@@ -70,3 +70,21 @@ class Evaluations(LedgerCore):
         states = [EvalState.PENDING.value, EvalState.RUNNING.value]
         return [r[0] for r in self.conn.execute(
             "select distinct experiment_id from evaluations where state in (?, ?)", states).fetchall()]
+
+    def request_evaluations_stop(self, exp_id: str, idx: int | None, cause: str) -> bool:
+        """``orchestrate cancel`` of an experiment whose evaluations outlive its training: the
+        watcher stops them (it alone starts and kills them). False if none is due or running."""
+        with self.tx():
+            where, args = "experiment_id = ? and state in (?, ?)", [exp_id, EvalState.PENDING.value, EvalState.RUNNING.value]
+            if idx is not None:
+                where, args = where + " and idx = ?", args + [idx]
+            if not self.db["evaluations"].count_where(where, args):
+                return False
+            self.event(exp_id, "eval.stop_requested", cause, idx=idx)
+            return True
+
+    def evaluations_stopped(self, exp_id: str) -> set[int | None]:
+        """The tasks whose evaluations ``orchestrate cancel`` asked to stop (None: all of the
+        experiment's): those due or running stop, and no more are planned."""
+        return {r[0] for r in self.conn.execute(
+            "select distinct idx from events where experiment_id = ? and kind = 'eval.stop_requested'", [exp_id]).fetchall()}

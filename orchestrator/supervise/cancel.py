@@ -48,3 +48,9 @@ def cancel(ledger: Ledger, exp: dict, index: int | None = None, scheduler: Sched
             ledger.set_task_state(exp["id"], idx, TaskState.CANCELLED,
                                   "orchestrate cancel: its job was cancelled while waiting to run again after a requeue")
     return sorted(cancelled + waiting)
+
+
+def stop_evaluations(ledger: Ledger, exp: dict, index: int | None = None) -> bool:
+    """The evaluations of checkpoints still due or running stop too: the watcher that runs
+    them kills and skips them (an experiment whose training is over has nothing else to stop)."""
+    return ledger.request_evaluations_stop(exp["id"], index, "orchestrate cancel: the evaluations due or running stop")

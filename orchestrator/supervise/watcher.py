@@ -149,9 +149,10 @@ class Watcher:
         settings = tend.settings_of(exp)
         if settings is None:
             return
+        stopped = self.ledger.evaluations_stopped(exp["id"])  # once per experiment, not per task
         for task in self.ledger.tasks(exp["id"]):
             try:
-                tend.tend(self.ledger, exp, task, settings, self.act.clock)
+                tend.tend(self.ledger, exp, task, settings, self.act.clock, stopped=bool(stopped & {None, task["idx"]}))
             except Exception as exc:  # one task's trouble never stops the others' (nor training's)
                 self._task_failed(exp, task, exc)
 

@@ -187,7 +187,8 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
 SLOW = "import time\n\ndef slow(answer, reference, prompt):\n    time.sleep(60)\n    return 1.0\n"
 
 
-def test_a_cancelled_experiment_stops_its_evaluations(home, tmp_path, tiny_model):
+def test_cancel_stops_the_evaluations_that_outlive_training(home, tmp_path, tiny_model):
+    """Training is over (COMPLETED); its checkpoints' evaluations still run: ``cancel`` stops them."""
     import os
     import subprocess
     import time
@@ -205,16 +206,19 @@ def test_a_cancelled_experiment_stops_its_evaluations(home, tmp_path, tiny_model
     run = subprocess.Popen([sys.executable, "-m", "orchestrator", "submit", str(write(tmp_path / "exp.yaml", text)),
                             "--executor", "local", "--wait"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env=env, cwd=tmp_path)
-    running, deadline = None, time.time() + 240
+    running, deadline = None, time.time() + 240  # each evaluation takes 2 minutes: training ends first
     while running is None and time.time() < deadline and run.poll() is None:
         time.sleep(0.3)
         if (home / "ledger.db").exists():
             ledger = Ledger.open(home / "ledger.db")
-            running = next((r for e in ledger.find_experiments() for r in ledger.evaluations(e["id"]) if r["state"] == "RUNNING"), None)
-    assert running is not None, run.stderr.read()[-3000:] if run.poll() is not None else "no evaluation started"
-    assert cli("cancel", running["experiment_id"], home=home).returncode == 0
-    run.wait(timeout=120)  # --wait returns: nothing is left to wait for
-    rows = Ledger.open(home / "ledger.db").evaluations(running["experiment_id"])
-    assert rows and all(r["state"] in ("SKIPPED", "DONE") for r in rows), rows
-    assert any(r["state"] == "SKIPPED" and "cancelled" in r["reason"] for r in rows)
+            running = next((r for e in ledger.find_experiments() if e["state"] == "COMPLETED"
+                            for r in ledger.evaluations(e["id"]) if r["state"] == "RUNNING"), None)
+    assert running is not None, run.stderr.read()[-3000:] if run.poll() is not None else "no evaluation ran after training"
+    said = cli("cancel", running["experiment_id"], home=home)
+    assert said.returncode == 0 and "stopping the evaluations" in said.stdout, said.stdout
+    run.wait(timeout=60)  # --wait returns: nothing is left to wait for
+    ledger = Ledger.open(home / "ledger.db")
+    rows = ledger.evaluations(running["experiment_id"])
+    assert rows and all(r["state"] == "SKIPPED" and "its evaluations were cancelled" in r["reason"] for r in rows), rows
+    assert ledger.experiment(running["experiment_id"])["state"] == "COMPLETED"  # training's outcome stands
     assert process_start_ticks(running["pid"]) != running["start_ticks"]  # its process is gone

@@ -1,0 +1,64 @@
+"""``orchestrate cancel`` and the evaluations of checkpoints (orchestrator.evaluate.tend):
+asked to stop, those due or running stop (the running one's process killed) and no more
+are planned, whether the experiment's training was still running or over."""
+
+import json
+
+import pytest
+
+from orchestrator.evaluate import process, tend
+from orchestrator.ledger import Ledger
+from orchestrator.spec.hf import CheckpointEval
+from orchestrator.states import TaskState
+from orchestrator.supervise import cancel
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    ledger = Ledger.open(tmp_path / "ledger.db")
+    spec = {"eval": {"checkpoints": {"prompts": str(tmp_path / "p.jsonl")}}, "checkpoint": {"keep_last": 2}}
+    ledger.create_experiment({"id": "e1", "name": "demo", "executor": "local", "spec_path": "/s.yaml", "run_dir": str(tmp_path),
+                              "spec": json.dumps(spec)}, [{"idx": 0, "params": {}, "task_dir": str(tmp_path / "t0")}])
+    return ledger
+
+
+def _running(ledger, tmp_path):
+    """Step 3's evaluation running (a real process), step 6's due."""
+    ledger.plan_evaluation("e1", 0, 3, str(tmp_path / "c3"), "due")
+    ledger.plan_evaluation("e1", 0, 6, str(tmp_path / "c6"), "due")
+    pid, ticks = process.start(["sleep", "60"], tmp_path / "out", str(tmp_path))
+    ledger.start_evaluation("e1", 0, 3, pid, ticks, "started")
+    return pid, ticks
+
+
+@pytest.mark.parametrize("training", ["over", "cancelled"])
+def test_cancel_stops_the_running_evaluation_and_skips_the_due_ones(ledger, tmp_path, training):
+    pid, ticks = _running(ledger, tmp_path)
+    exp = ledger.experiment("e1")
+    if training == "over":
+        assert cancel.stop_evaluations(ledger, exp) is True
+        why = "its evaluations were cancelled"
+    else:
+        exp = {**exp, "state": TaskState.CANCELLED.value}
+        why = "the experiment was cancelled"
+    stopped = bool(ledger.evaluations_stopped("e1") & {None, 0})
+    assert stopped is (training == "over")
+    settings = CheckpointEval.model_validate(json.loads(exp["spec"])["eval"]["checkpoints"])
+    tend.tend(ledger, exp, ledger.tasks("e1")[0], settings, stopped=stopped)
+    rows = ledger.evaluations("e1", 0)
+    assert [(r["step"], r["state"]) for r in rows] == [(3, "SKIPPED"), (6, "SKIPPED")]
+    assert all(why in r["reason"] for r in rows)
+    assert not process.alive(pid, ticks)
+    assert not ledger.evaluations_outstanding(["e1"])
+    assert [e["kind"] for e in ledger.events("e1") if e["kind"].startswith("eval.")].count("eval.skipped") == 2
+
+
+def test_nothing_to_stop_records_nothing(ledger):
+    assert cancel.stop_evaluations(ledger, ledger.experiment("e1")) is False
+    assert ledger.evaluations_stopped("e1") == set()
+
+
+def test_a_stop_of_one_task_is_that_tasks(ledger, tmp_path):
+    _running(ledger, tmp_path)
+    assert cancel.stop_evaluations(ledger, ledger.experiment("e1"), 0) is True
+    assert ledger.evaluations_stopped("e1") == {0}
