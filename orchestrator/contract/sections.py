@@ -109,9 +109,10 @@ class Checkpoint:
     # With `every_steps: auto`: never save less often than this (and this often while no fault was
     # seen). Built-in trainer only; a `script` or `command` model ignores it.
     auto_max_minutes: float = 60.0
-    # Committed checkpoints kept; at least 2, since the newest may be damaged. Built-in trainer and
-    # the integrations (train_entry.client, HF Trainer, Accelerate); a `command` without one ignores
-    # it.
+    # Newest committed checkpoints kept (besides pinned ones). 1 saves room, but a damaged newest
+    # then leaves none to resume from (but a pinned one): 2 keeps one to fall back on. Built-in
+    # trainer and the integrations (train_entry.client, HF Trainer, Accelerate); a `command` without
+    # one ignores it.
     keep_last: int = 2
     # Also keep a snapshot of the state every N steps in the node's memory (/dev/shm; the newest
     # only, written and verified as a checkpoint is): a restart in place resumes from it when it is

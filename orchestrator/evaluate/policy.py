@@ -33,8 +33,9 @@ def ended(row: dict, result: dict | None, error: dict | None, retries: int) -> E
     step = row["step"]
     if result is not None and result.get("step") == step:
         numbers = ", ".join(f"{k} {v:.4g}" for k, v in result["metrics"].items())
-        return Ended(EvalState.DONE, "eval.result", f"step {step}: {numbers} ({result.get('n', '?')} prompts, "
-                     f"{result.get('seconds') or 0:.1f} s)")
+        unit = "prompts" if result.get("kind", "generate") == "generate" else "examples"
+        counted = f"{result['n']} {unit}, " if result.get("n") else ""
+        return Ended(EvalState.DONE, "eval.result", f"step {step}: {numbers} ({counted}{result.get('seconds') or 0:.1f} s)")
     if error is not None:
         if error["gone"]:
             return Ended(EvalState.SKIPPED, "eval.skipped", f"step {step} not evaluated: {error['error']}")
@@ -47,8 +48,9 @@ def ended(row: dict, result: dict | None, error: dict | None, retries: int) -> E
 
 
 def best(rows: list[dict], metric: str, mode: str, n: int) -> list[dict]:
-    """The ``n`` best DONE evaluations by ``metric`` (``max``: the highest; ties: the later step)."""
-    done = [r for r in rows if r["state"] == EvalState.DONE.value and isinstance(r.get("metrics"), dict)
+    """The ``n`` best DONE evaluations of checkpoints by ``metric`` (``max``: the highest; ties:
+    the later step). The base model's (step 0) is where the curve starts, never a best checkpoint."""
+    done = [r for r in rows if r["state"] == EvalState.DONE.value and r["step"] > 0 and isinstance(r.get("metrics"), dict)
             and isinstance(r["metrics"].get(metric), (int, float))]
     sign = -1 if mode == "max" else 1
     return sorted(done, key=lambda r: (sign * r["metrics"][metric], -r["step"]))[:n]

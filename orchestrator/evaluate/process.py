@@ -3,9 +3,9 @@ log, known alive by its pid and start time (a pid reused is not it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from orchestrator.scheduler.local import process_start_ticks
@@ -16,14 +16,23 @@ THREADS = "1"  # and one core at most (torch would take them all)
 _children: dict[int, subprocess.Popen] = {}  # reaped once they end (a watcher restarted finds them by pid)
 
 
-def argv(folder: str, out: Path, settings) -> list[str]:
-    cmd = [sys.executable, "-m", "train_entry.checkpoint_eval", folder, "--prompts", settings.prompts, "--out", str(out)]
-    for m in settings.metrics:
-        cmd += ["--metric", m]
-    if settings.score:
-        cmd += ["--score", settings.score]
-    if settings.max_new_tokens:
-        cmd += ["--max-new-tokens", str(settings.max_new_tokens)]
+def arguments(folder: str, out: Path, settings, base: bool = False) -> list[str]:
+    """The arguments of ``python -m train_entry.checkpoint_eval``, the same here and in a SLURM job."""
+    cmd = [folder, "--out", str(out), "--kind", settings.kind, *(["--base"] if base else [])]
+    if settings.kind == "generate":
+        cmd += ["--prompts", settings.prompts]
+        for m in settings.metrics:
+            cmd += ["--metric", m]
+        if settings.score:
+            cmd += ["--score", settings.score]
+        if settings.max_new_tokens:
+            cmd += ["--max-new-tokens", str(settings.max_new_tokens)]
+    elif settings.kind == "lm-eval":
+        for t in settings.tasks:
+            cmd += ["--task", t]
+        cmd += ["--include-path", settings.include_path, *(["--limit", str(settings.limit)] if settings.limit else [])]
+    else:
+        cmd += ["--argv-json", json.dumps(list(settings.argv)), "--timeout-s", str(settings.timeout_min * 60)]
     return cmd
 
 

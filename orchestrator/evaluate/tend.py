@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 
 from orchestrator import contract
 from orchestrator.contract import records, safe_read
+from orchestrator.errors import SchedulerError
 from orchestrator.evaluate import policy, process
+from orchestrator.evaluate.runs import LocalRuns
 from orchestrator.states import CheckpointState, EvalState, TaskState
 
 PIN_OWNER = "eval-pending"  # rotation keeps a checkpoint until its evaluation is over
@@ -42,15 +43,20 @@ def _section(exp: dict, section: str, key: str, model):
         return None
 
 
-def tend(ledger, exp: dict, task: dict, settings, clock=time.time, stopped: bool = False) -> None:
+def tend(ledger, exp: dict, task: dict, settings, clock=time.time, stopped: bool = False, runs=None) -> None:
     """Due checkpoints planned (and pinned), finished evaluations recorded, due ones started.
-    ``stopped``: ``orchestrate cancel`` asked this task's evaluations to stop."""
+    ``stopped``: ``orchestrate cancel`` asked this task's evaluations to stop. ``runs``:
+    where they run (``runs.LocalRuns``, the default, or ``runs.JobRuns``)."""
+    runs = runs or LocalRuns()
     exp_id, idx, tdir = exp["id"], task["idx"], Path(task["task_dir"])
     rows = ledger.evaluations(exp_id, idx)
     if exp["state"] == TaskState.CANCELLED.value or stopped:
-        _cancel(ledger, exp_id, idx, tdir, rows, "the experiment was cancelled" if exp["state"] == TaskState.CANCELLED.value
-                else "its evaluations were cancelled")
+        _cancel(ledger, exp_id, idx, tdir, rows, runs, "the experiment was cancelled"
+                if exp["state"] == TaskState.CANCELLED.value else "its evaluations were cancelled")
         return
+    base = base_model(exp) if settings.base else None
+    if base is not None and not rows:  # the base model first, as step 0: where the curve starts
+        ledger.plan_evaluation(exp_id, idx, 0, base, "the base model, before the first checkpoint (eval.checkpoints.base)")
     committed = [(c["step"], c["path"]) for c in ledger.checkpoints(exp_id, idx) if c["state"] == CheckpointState.COMMITTED.value]
     for step, folder in policy.due(committed, {r["step"] for r in rows}, settings.every):
         ledger.plan_evaluation(exp_id, idx, step, folder, f"checkpoint step {step} committed: its evaluation is due")
@@ -60,26 +66,26 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time, stopped: bool
         contract.write_seen(tdir, max(s for s, _ in committed))                 # now remove what is not due
     for row in rows:
         if row["state"] == EvalState.RUNNING.value:
-            _watch(ledger, exp_id, idx, tdir, row, settings, clock)
+            _watch(ledger, exp_id, idx, tdir, row, settings, clock, runs)
     rows = ledger.evaluations(exp_id, idx)
     _keep_best(ledger, exp, idx, tdir, rows)
     for row in policy.to_start(rows, settings.max_parallel):
-        _start(ledger, exp, idx, tdir, row, settings)
+        _start(ledger, exp, idx, tdir, row, settings, runs, base)
     rows = ledger.evaluations(exp_id, idx)
     _pin(tdir, rows)
     if TaskState(task["state"]).terminal and not any(EvalState(r["state"]).outstanding for r in rows):
         _rotate(ledger, exp, idx, tdir, committed, rows)
 
 
-def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict], why: str) -> None:
+def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict], runs, why: str) -> None:
     """A cancelled experiment's evaluations stop with it (or, once its training is over,
     when cancelled on their own): the running ones killed, the due ones skipped, each with
     its event."""
     for row in rows:
         if not EvalState(row["state"]).outstanding:
             continue
-        if row["state"] == EvalState.RUNNING.value and process.alive(row["pid"], row["start_ticks"]):
-            _stop(row["pid"])
+        if row["state"] == EvalState.RUNNING.value and runs.alive(row):
+            runs.stop(row)
         ledger.end_evaluation(exp_id, idx, row["step"], EvalState.SKIPPED, f"step {row['step']} not evaluated: {why}",
                               "eval.skipped")
     _pin(tdir, ledger.evaluations(exp_id, idx))
@@ -96,7 +102,7 @@ def _rotate(ledger, exp: dict, idx: int, tdir: Path, committed: list[tuple[int, 
         return
     keep = keep_best_of(exp)
     best = {r["step"] for r in policy.best(rows, keep.metric, keep.mode, keep.n)} if keep else set()
-    candidates = [(s, f) for s, f in sorted(committed, reverse=True)[max(keep_last, 2):] if s not in best]
+    candidates = [(s, f) for s, f in sorted(committed, reverse=True)[max(keep_last, 1):] if s not in best]
     if not candidates:
         return
     pinned = contract.read_pins(tdir)
@@ -135,13 +141,13 @@ def _keep_best(ledger, exp: dict, idx: int, tdir: Path, rows: list[dict]) -> Non
             shutil.rmtree(model, ignore_errors=True)
 
 
-def _watch(ledger, exp_id: str, idx: int, tdir: Path, row: dict, settings, clock) -> None:
+def _watch(ledger, exp_id: str, idx: int, tdir: Path, row: dict, settings, clock, runs) -> None:
     step = row["step"]
     out = contract.eval_dir(tdir, step)
-    if process.alive(row["pid"], row["start_ticks"]):
+    if runs.alive(row):
         if clock() - (row["started_at"] or clock()) <= settings.timeout_min * 60:
             return
-        _stop(row["pid"])  # over its time: a failed try
+        runs.stop(row)  # over its time: a failed try
     result = read_result(out)
     end = policy.ended(row, result, _read(out / contract.EVAL_ERROR, records.EVAL_ERROR), settings.retries)
     cause = end.cause
@@ -150,7 +156,7 @@ def _watch(ledger, exp_id: str, idx: int, tdir: Path, row: dict, settings, clock
     ledger.end_evaluation(exp_id, idx, step, end.state, cause, end.kind, result if end.state is EvalState.DONE else None)
 
 
-def _start(ledger, exp: dict, idx: int, tdir: Path, row: dict, settings) -> None:
+def _start(ledger, exp: dict, idx: int, tdir: Path, row: dict, settings, runs, base: str | None) -> None:
     step = row["step"]
     out = contract.eval_dir(tdir, step)
     for name in (contract.EVAL_RESULT, contract.EVAL_ERROR):  # a try's leftovers are not this try's word
@@ -159,22 +165,31 @@ def _start(ledger, exp: dict, idx: int, tdir: Path, row: dict, settings) -> None
         except FileNotFoundError:
             pass
     folder = row["folder"]
-    if not os.path.lexists(Path(folder) / contract.MANIFEST):
+    of_base = step == 0 and base is not None and folder == base
+    if not of_base and not os.path.lexists(Path(folder) / contract.MANIFEST):
         ledger.end_evaluation(exp["id"], idx, step, EvalState.SKIPPED, f"step {step} not evaluated: its checkpoint "
                               f"{folder} is gone (pruned or rotated before its turn)", "eval.skipped")
         return
     cwd = os.path.dirname(exp.get("spec_path") or "") or str(tdir)
-    pid, ticks = process.start(process.argv(folder, out, settings), out, cwd if os.path.isdir(cwd) else str(tdir))
-    ledger.start_evaluation(exp["id"], idx, step, pid, ticks, f"evaluating step {step} (try {row['tries'] + 1}; pid {pid}; "
-                            f"output in {out / process.LOG})")
-
-
-def _stop(pid: int) -> None:
+    cwd = cwd if os.path.isdir(cwd) else str(tdir)
+    args = process.arguments(folder, out, settings, base=of_base)
     try:
-        os.killpg(pid, signal.SIGKILL)  # its own session: the process and anything it started
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.alive(pid, None)  # reaped
+        pid, ticks, job, where = runs.start(row, args, out, cwd, settings, f"eval-{idx}-{step}")
+    except SchedulerError as exc:  # SLURM refused or did not answer: the next cycle tries again
+        if not ledger.has_event(exp["id"], "eval.submit_failed", str(exc)[:400], idx=idx):
+            ledger.event(exp["id"], "eval.submit_failed", str(exc)[:400], idx=idx, data={"step": step})
+        return
+    ledger.start_evaluation(exp["id"], idx, step, pid, ticks, f"evaluating step {step} (try {row['tries'] + 1}; {where}; "
+                            f"output in {out / process.LOG})", job_id=job)
+
+
+def base_model(exp: dict) -> str | None:
+    """The base model's folder (model kind hf), evaluated as step 0 with ``base: true``."""
+    try:
+        model = json.loads(exp.get("spec") or "{}").get("model", {})
+        return model["path"] if model.get("kind") == "hf" and isinstance(model.get("path"), str) else None
+    except (ValueError, AttributeError, KeyError):
+        return None
 
 
 def read_result(out: Path) -> dict | None:

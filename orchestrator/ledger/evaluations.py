@@ -23,12 +23,14 @@ class Evaluations(LedgerCore):
             self.event(exp_id, "eval.due", cause, idx=idx, data={"step": step})
             return True
 
-    def start_evaluation(self, exp_id: str, idx: int, step: int, pid: int, start_ticks: int | None, cause: str) -> None:
+    def start_evaluation(self, exp_id: str, idx: int, step: int, pid: int | None, start_ticks: int | None, cause: str,
+                         job_id: str | None = None) -> None:
+        """RUNNING: its process here (``pid``, ``start_ticks``) or its SLURM job (``job_id``)."""
         with self.tx():
             row = self._get("evaluations", _KEY, [exp_id, idx, step])
             self.db["evaluations"].update((exp_id, idx, step), {
                 "state": EvalState.RUNNING.value, "tries": row["tries"] + 1, "pid": pid, "start_ticks": start_ticks,
-                "started_at": self.clock()})
+                "job_id": job_id, "started_at": self.clock()})
             self.event(exp_id, "eval.started", cause, idx=idx, old=row["state"], new=EvalState.RUNNING.value,
                        data={"step": step})
 
@@ -37,7 +39,7 @@ class Evaluations(LedgerCore):
         """DONE with its ``result`` (metrics, n, seconds), PENDING again (a retry), FAILED or SKIPPED."""
         with self.tx():
             row = self._get("evaluations", _KEY, [exp_id, idx, step])
-            fields = {"state": state.value, "reason": cause, "pid": None, "start_ticks": None}
+            fields = {"state": state.value, "reason": cause, "pid": None, "start_ticks": None}  # job_id kept: sacct has it
             if state is not EvalState.PENDING:
                 fields["ended_at"] = self.clock()
             if result is not None:
@@ -88,3 +90,11 @@ class Evaluations(LedgerCore):
         experiment's): those due or running stop, and no more are planned."""
         return {r[0] for r in self.conn.execute(
             "select distinct idx from events where experiment_id = ? and kind = 'eval.stop_requested'", [exp_id]).fetchall()}
+
+    def evaluation_jobs(self, exp_ids: list[str]) -> list[dict]:
+        """The running evaluations that are SLURM jobs, of these experiments (one poll for them all)."""
+        if not exp_ids:
+            return []
+        marks = ",".join("?" * len(exp_ids))
+        return self._select("evaluations", f"experiment_id in ({marks}) and state = ? and job_id is not null",
+                            [*exp_ids, EvalState.RUNNING.value])

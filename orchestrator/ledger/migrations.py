@@ -224,6 +224,11 @@ def _m009_evaluations(db: sqlite_utils.Database) -> None:
     db["evaluations"].create_index(["state"])
 
 
+def _m010_evaluation_jobs(db: sqlite_utils.Database) -> None:
+    # an evaluation run as its own SLURM job (eval.checkpoints on the SLURM executor): its id
+    db["evaluations"].add_column("job_id", str)
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("001_initial", _m001_initial),
     ("002_task_progress", _m002_task_progress),
@@ -234,6 +239,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("007_steady_steps_fault_costs", _m007_steady_steps),
     ("008_save_times", _m008_save_times),
     ("009_evaluations", _m009_evaluations),
+    ("010_evaluation_jobs", _m010_evaluation_jobs),
 ]
 
 

@@ -36,6 +36,7 @@ LABELS = {
     "recovered": "task recovered",
     "completed": "experiment completed",
     "needs_attention": "needs attention",
+    "new_best": "new best checkpoint",
 }
 
 TEXT_CAUSE_CHARS = 300  # of the one-line text; the JSON part carries more
@@ -67,6 +68,8 @@ def trigger_of(event: dict, previous: dict | None = None) -> str | None:
         return "recovered"  # the ranks restarted in place, inside the allocation
     if kind == "experiment.state":
         return {"COMPLETED": "completed", "FAILED": "needs_attention"}.get(new)
+    if kind == "eval.best":
+        return "new_best"  # checkpoint.keep_best's metric has a new best (sent where notify.on names it)
     return "needs_attention" if kind in NEEDS_ATTENTION_KINDS else None
 
 

@@ -60,6 +60,9 @@ class Capabilities:
     tells_why_stopped: bool
     # asking costs the site something (RPCs to a shared controller): the watcher paces its polls
     costly_poll: bool = False
+    # evaluations of checkpoints go out as jobs of their own (``submit_evaluation``); else
+    # they run as processes beside the watcher
+    evaluation_jobs: bool = False
 
 
 class Scheduler(Protocol):

@@ -46,7 +46,8 @@ LIMITS_TTL_S = 300.0  # a watcher reads the site's limits again after this long 
 
 class SlurmScheduler:
     name = "slurm"
-    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True, costly_poll=True)
+    capabilities = Capabilities(requeue_in_place=True, requeues_by_itself=True, tells_why_stopped=True, costly_poll=True,
+                                evaluation_jobs=True)
 
     def __init__(self, runner: commands.Runner | None = None):
         self.runner = runner or commands.Runner()
@@ -190,7 +191,7 @@ class SlurmScheduler:
             if after:
                 extra["dependency"] = after_job(extra, after)
 
-        executor = _saved_executor(run_dir, tag, adjust)
+        executor = saved_executor(run_dir, tag, adjust)
         try:
             jobs = executor.map_array(submitit_entry, [str(contract.task_dir(run_dir, i)) for i in indices])
         except FailedJobError as exc:
@@ -295,7 +296,7 @@ class SlurmScheduler:
                 params["exclude"] = ",".join(excluded)
             params.setdefault("additional_parameters", {})["begin"] = f"now+{max(0, int(delay_s))}"
 
-        return _saved_executor(run_dir, tag, adjust).submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id
+        return saved_executor(run_dir, tag, adjust).submit(submitit_entry, str(contract.task_dir(run_dir, index))).job_id
 
     def find_submission(self, run_dir: Path, tag: str, since: float) -> str | None:
         """The job a resubmission with ``tag`` made, if SLURM has it (for a watcher that
@@ -317,6 +318,12 @@ class SlurmScheduler:
         array = parse_job_id(job).job  # array task k is the k-th of ``indices``, as submit_tasks sent them
         return {idx: f"{array}_{k}" for k, idx in enumerate(indices)}
 
+    def submit_evaluation(self, run_dir: Path, args: list[str], cwd: str, log: Path, resources, minutes: float, tag: str) -> str:
+        """An evaluation of a checkpoint as its own job (``slurm_eval``); its id."""
+        from orchestrator.scheduler.slurm_eval import submit_evaluation
+
+        return submit_evaluation(run_dir, args, cwd, log, resources, minutes, tag)
+
     def node_states(self) -> dict[str, str]:
         """Every node's state (``sinfo``): failed nodes are excluded from recovered tasks."""
         out = self.runner.query(["sinfo", "-h", "-N", "-o", "%N|%T"], timeout=QUERY_TIMEOUT_S).stdout
@@ -329,7 +336,7 @@ def after_job(extra: dict, job: str) -> str:
     return ",".join(filter(None, [str(extra.get("dependency") or ""), f"afterany:{job}"]))
 
 
-def _saved_executor(run_dir: Path, tag: str, adjust):
+def saved_executor(run_dir: Path, tag: str, adjust):
     """submitit's executor with the experiment's own request as submit saved it (named with
     ``tag``), changed by ``adjust``; checked again, since the file may have been edited since."""
     import submitit

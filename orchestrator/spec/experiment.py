@@ -138,8 +138,8 @@ class Spec(Strict):
             return
         if ce is None:
             raise FieldError(("checkpoint", "keep_best"), "the best by what? keep_best needs eval.checkpoints, whose metric it names")
-        names = [*ce.metrics, *([ce.score.split(":")[1]] if ce.score else [])]
-        if best.metric not in names:
+        names = ce.metric_names()  # lm-eval and command: their results name them (an event if it is not there)
+        if names is not None and best.metric not in names:
             raise FieldError(("checkpoint", "keep_best", "metric"), f"{best.metric!r} is not a metric of eval.checkpoints "
                              f"({', '.join(names)})")
 

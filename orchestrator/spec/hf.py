@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from orchestrator.spec.checkpoint_eval import CheckpointEval
 from orchestrator.spec.scope import BY_THE_WATCHER, LOGIN_SIDE
 from orchestrator.spec.strict import MAX_STEPS, Strict
 
@@ -188,34 +189,6 @@ class ArrowData(RecordsData):
 RECORD_KINDS = ("jsonl", "parquet", "arrow")
 
 
-class CheckpointEval(Strict):
-    """Each committed checkpoint evaluated off the training path: the watcher starts the
-    evaluation as its own process once the checkpoint is committed (training never waits for
-    it), which exports the checkpoint to a Hugging Face folder, answers the prompts greedily
-    and scores the answers. Results in `status --json`, `events` and the task's `evals/`."""
-
-    kind: Literal["generate"] = Field("generate", description="`generate`: greedy answers to prompts, scored against references.")
-    prompts: str = Field(
-        min_length=1,
-        description="JSONL of prompts: chats ending with the reference answer (a held-out split of chat data as it "
-        "is), or `{prompt, reference}`; relative to the spec's folder.",
-    )
-    every: int = Field(1, ge=1, le=MAX_STEPS, strict=True, description="Evaluate every this many committed checkpoints (1: each).")
-    metrics: list[Literal["exact_match", "contains"]] = Field(
-        default_factory=lambda: ["exact_match"], description="`exact_match` (stripped), `contains` (the reference in the answer)."
-    )
-    score: str | None = Field(
-        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="Your own metric, `module:function` (answer, reference, prompt) -> number, importable from the spec's folder.",
-    )
-    max_new_tokens: int | None = Field(
-        None, ge=1, le=4096, strict=True, description="Tokens per answer; null: a few past the longest reference."
-    )
-    max_parallel: int = Field(1, ge=1, le=16, strict=True, description="Evaluations of one task running at once (in step order).")
-    retries: int = Field(2, ge=0, le=10, strict=True, description="Tries again after an evaluation that failed, then an event.")
-    timeout_min: float = Field(60.0, gt=0, le=7 * 24 * 60, description="An evaluation running longer is stopped (a failed try).")
-
-
 class Eval(Strict):
     """Evaluation loss on the held-out split during training (every rank takes part), and of
     each committed checkpoint off the training path (`checkpoints`)."""
@@ -227,5 +200,5 @@ class Eval(Strict):
         None, ge=1, le=MAX_STEPS, strict=True, description="Micro-batches per rank per evaluation; null: the whole split."
     )
     checkpoints: Annotated[CheckpointEval | None, LOGIN_SIDE, BY_THE_WATCHER] = Field(
-        None, description="Evaluate committed checkpoints by generation, each as its own process; null: none."
+        None, description="Evaluate committed checkpoints off the training path, each as its own process or SLURM job; null: none."
     )

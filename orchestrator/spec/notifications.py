@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import urllib.parse
 
-TRIGGERS = ("failed", "recovered", "completed", "needs_attention")
+TRIGGERS = ("failed", "recovered", "completed", "needs_attention")  # sent unless `on` names others
+OPTIONAL_TRIGGERS = ("new_best",)  # sent only where `on` names them
 
 
 def url_problem(url: str) -> str | None:

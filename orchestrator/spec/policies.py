@@ -76,7 +76,8 @@ class Checkpoint(Strict):
         "(and this often while no fault was seen)."
     )
     keep_last: Annotated[int, WITH_INTEGRATION] = Field(
-        2, ge=2, le=MAX_RETRIES, strict=True, description="Committed checkpoints kept; at least 2, since the newest may be damaged."
+        2, ge=1, le=MAX_RETRIES, strict=True, description="Newest committed checkpoints kept (besides pinned ones). 1 saves "
+        "room, but a damaged newest then leaves none to resume from (but a pinned one): 2 keeps one to fall back on."
     )
     keep_best: Annotated[KeepBest | None, LOGIN_SIDE, BY_THE_WATCHER] = Field(
         None,
@@ -238,13 +239,14 @@ class Notify(Strict):
         description="Name of an environment variable of the watcher that holds the URL: it stays out of the spec, "
         "the run folder and the ledger.",
     )
-    on: list[Literal["failed", "recovered", "completed", "needs_attention"]] = Field(
+    on: list[Literal["failed", "recovered", "completed", "needs_attention", "new_best"]] = Field(
         default_factory=lambda: list(TRIGGERS),
         min_length=1,
         description="What is sent: `failed` (a task failed for good), `recovered` (a task runs again after a failed "
         "attempt, or its ranks restarted in place), `completed` (the experiment, once), `needs_attention` (what a "
         "person must act on: the scheduler not answering, the watcher failing on a task, agents not answering a hang, "
-        "a task waiting for space on a full disk, the experiment ending FAILED).",
+        "a task waiting for space on a full disk, the experiment ending FAILED). Besides these, if named: `new_best` "
+        "(a checkpoint is the new best by `checkpoint.keep_best`'s metric).",
     )
     email: str | None = Field(
         None,

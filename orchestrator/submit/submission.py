@@ -22,7 +22,7 @@ from orchestrator.spec.hf import MAX_INPUTS, RECORD_KINDS
 from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
-from orchestrator.submit import command_check, preflight
+from orchestrator.submit import command_check, eval_check, preflight
 from orchestrator.submit.plan import build_plan
 
 
@@ -52,7 +52,7 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
         if t.spec.model.kind == "command":
             _command_paths(t.spec.model, here, None, lines, str(spec_path), t.spec.env.get("PATH", os.environ.get("PATH")))
     executor = executor or default_executor()
-    _eval_checkpoints(spec, here, raw, lines, str(spec_path), executor)
+    eval_check.check(spec, here, raw, lines, str(spec_path))
     workdir = _local_path(Path.cwd(), spec.workdir) if spec.workdir else home / "runs"
     plan = build_plan(
         spec,
@@ -114,30 +114,6 @@ def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str
     found = command_check.problems(model.argv, str(cwd), path)
     if found:
         raise SpecError([yamlsrc.issue(lines, ("model", "argv", i), message, source) for i, message in found])
-
-
-def _eval_checkpoints(spec, here: Path, raw: dict, lines: dict, source: str, executor: str) -> None:
-    """eval.checkpoints: its prompts file absolute and read (a bad line named), on an
-    executor whose evaluations run on this machine."""
-    ce = spec.eval.checkpoints
-    if ce is None:
-        return
-    field = ("eval", "checkpoints")
-    if executor != "local":
-        raise SpecError([yamlsrc.issue(lines, field, "evaluations of checkpoints run beside the watcher, on this machine: "
-                                       "use --executor local (SLURM jobs for them are not there yet), or evaluate by hand "
-                                       "with `orchestrate ckpt eval`", source)])
-    if spec.model.kind not in ("hf", "script", "command"):
-        raise SpecError([yamlsrc.issue(lines, field, f"model kind {spec.model.kind} has no Hugging Face export to evaluate by "
-                                       "generation: use model kind hf, or a Trainer program", source)])
-    ce.prompts = str(_local_path(here, ce.prompts))
-    set_path(raw, (*field, "prompts"), ce.prompts)
-    from train_entry.checkpoint_eval import EvalError, read_prompts  # reads the file: what the evaluations will read
-
-    try:
-        read_prompts(ce.prompts)
-    except EvalError as exc:
-        raise SpecError([yamlsrc.issue(lines, (*field, "prompts"), str(exc), source)]) from None
 
 
 def _absolute_paths(spec, here: Path, raw: dict | None = None, lines: dict | None = None, source: str = "") -> None:

@@ -25,7 +25,7 @@ from orchestrator import contract
 from orchestrator.contract import TaskConfig, TaskConfigError, storage
 from orchestrator.contract.safe_read import cut
 from orchestrator.errors import SchedulerError
-from orchestrator.evaluate import tend
+from orchestrator.evaluate import runs, tend
 from orchestrator.ledger import Ledger
 from orchestrator.notify.outbox import Notifier
 from orchestrator.report import stored
@@ -93,6 +93,7 @@ class Watcher:
         self._configs = TaskConfigs()
         self._unreachable: set[str] = set()  # experiments told that the scheduler does not answer
         self._hold_refused: set[tuple] = set()  # requeued jobs whose hold SLURM would not let us release
+        self._evaluation_jobs: dict[str, dict | None] = {}  # executor -> this cycle's word on its evaluation jobs
 
     def close(self) -> None:
         """The watcher stops: a few seconds for the notifications under way, no more."""
@@ -103,6 +104,7 @@ class Watcher:
     def cycle(self, exp_ids: list[str]) -> None:
         exps = [e for e in (self.ledger.experiment(i) for i in exp_ids) if e]
         seen = self._refresh(exps)
+        self._evaluation_jobs = self._poll_evaluations(exps)
         for exp in exps:
             self._act_for(self.ledger.experiment(exp["id"]), seen)
         stored.update(self.ledger, [e["id"] for e in seen.mine], stored.WATCHER_BUDGET_S)  # the goodput status shows
@@ -150,11 +152,27 @@ class Watcher:
         if settings is None:
             return
         stopped = self.ledger.evaluations_stopped(exp["id"])  # once per experiment, not per task
+        scheduler = self.act.scheduler(exp["executor"])
+        where = (runs.JobRuns(scheduler, exp["run_dir"], self._evaluation_jobs.get(exp["executor"], {}), self.act.clock)
+                 if scheduler.capabilities.evaluation_jobs else runs.LocalRuns())
         for task in self.ledger.tasks(exp["id"]):
             try:
-                tend.tend(self.ledger, exp, task, settings, self.act.clock, stopped=bool(stopped & {None, task["idx"]}))
+                tend.tend(self.ledger, exp, task, settings, self.act.clock, stopped=bool(stopped & {None, task["idx"]}),
+                          runs=where)
             except Exception as exc:  # one task's trouble never stops the others' (nor training's)
                 self._task_failed(exp, task, exc)
+
+    def _poll_evaluations(self, exps: list[dict]) -> dict[str, dict | None]:
+        """What each scheduler says of the evaluation jobs running: one poll per scheduler
+        per cycle for them all (None: it did not answer)."""
+        rows = self.ledger.evaluation_jobs([e["id"] for e in exps])
+        executors = {e["id"]: e["executor"] for e in exps}
+        run_dirs = {e["id"]: e["run_dir"] for e in exps}
+        out: dict[str, dict | None] = {}
+        for name in sorted({executors[r["experiment_id"]] for r in rows}):
+            mine = [r for r in rows if executors[r["experiment_id"]] == name]
+            out[name] = runs.poll(self.act.scheduler(name), mine, run_dirs)
+        return out
 
     def _tell_reachability(self, exp: dict, seen: Seen) -> None:
         """An event when the scheduler stops answering (nothing is decided meanwhile), and when it answers again."""

@@ -147,25 +147,26 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     assert exp["state"] == "COMPLETED"  # training is never the evaluation's business
     ledger = Ledger.open(home / "ledger.db")
     rows = ledger.evaluations(exp["id"], 0)
-    assert [(r["step"], r["state"]) for r in rows] == [(3, "DONE"), (6, "DONE"), (9, "DONE")], rows
-    assert {r["step"]: r["tries"] for r in rows} == {3: 1, 6: 1, 9: 1, killed["step"]: 2}
+    # the last step too: saved at the end because it is evaluated
+    assert [(r["step"], r["state"]) for r in rows] == [(3, "DONE"), (6, "DONE"), (9, "DONE"), (10, "DONE")], rows
+    assert {r["step"]: r["tries"] for r in rows} == {3: 1, 6: 1, 9: 1, 10: 1, killed["step"]: 2}
     assert all(set(r["metrics"]) == {"exact_match", "contains", "answer_length"} for r in rows)
     kinds = [(e["kind"], e["cause"]) for e in ledger.events(exp["id"]) if e["kind"].startswith("eval.")]
     results = [c for k, c in kinds if k == "eval.result"]
-    assert len(results) == 3 and all(c.startswith(f"step {s}: ") for c, s in zip(results, (3, 6, 9)))  # once each, in order
+    assert len(results) == 4 and all(c.startswith(f"step {s}: ") for c, s in zip(results, (3, 6, 9, 10)))  # once each, in order
     retry = [c for k, c in kinds if k == "eval.retry"]
     assert len(retry) == 1 and f"evaluation of step {killed['step']} ended without a result (try 1 of 2)" in retry[0], kinds
     tdir = contract.task_dir(exp["run_dir"], 0)
     doc = exp["tasks"][0]["evaluations"]
-    assert doc["done"] == 3 and doc["latest"]["step"] == 9 and set(doc["best"]) == {"exact_match", "contains", "answer_length"}
+    assert doc["done"] == 4 and doc["latest"]["step"] == 10 and set(doc["best"]) == {"exact_match", "contains", "answer_length"}
 
     # keep_best: the shortest answers' checkpoint is pinned (nothing else: no evaluation is
     # due), kept past keep_last 2 with its export; the others' exports are gone
     lengths = {r["step"]: r["metrics"]["answer_length"] for r in rows}
     best = min(lengths, key=lambda s: (lengths[s], -s))
     assert list(contract.read_pins(tdir)) == [best] and "best by answer_length" in contract.read_pins(tdir)[best]
-    assert sorted(s for s, _ in contract.committed_checkpoints(tdir)) == sorted({best, 6, 9})
-    assert {s: (contract.eval_dir(tdir, s) / "model").is_dir() for s in (3, 6, 9)} == {s: s == best for s in (3, 6, 9)}
+    assert sorted(s for s, _ in contract.committed_checkpoints(tdir)) == sorted({best, 9, 10})
+    assert {s: (contract.eval_dir(tdir, s) / "model").is_dir() for s in (3, 6, 9, 10)} == {s: s == best for s in (3, 6, 9, 10)}
     said = json.loads(cli("ckpt", "best", exp["id"], "--json", home=home).stdout)
     assert [(b["task"], b["step"], b["metric"]) for b in said] == [("0", best, "answer_length")]
     assert said[0]["export"] == str(contract.eval_dir(tdir, best) / "model") and said[0]["checkpoint"]
@@ -175,7 +176,7 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     rep = cli("report", exp["id"], "--json", home=home)
     assert rep.returncode == 0, rep.stderr
     doc = json.loads(rep.stdout)
-    assert [e["step"] for e in doc["tasks"][0]["evaluations"]] == [3, 6, 9]
+    assert [e["step"] for e in doc["tasks"][0]["evaluations"]] == [3, 6, 9, 10]
     assert doc["ranking"]["metric"] == "answer_length" and doc["ranking"]["mode"] == "min"
     assert [(b["task"], b["step"]) for b in doc["ranking"]["tasks"]] == [(0, best)]
     page = tmp_path / "report.html"

@@ -3,6 +3,7 @@ asked to stop, those due or running stop (the running one's process killed) and 
 are planned, whether the experiment's training was still running or over."""
 
 import json
+import time
 
 import pytest
 
@@ -48,6 +49,9 @@ def test_cancel_stops_the_running_evaluation_and_skips_the_due_ones(ledger, tmp_
     rows = ledger.evaluations("e1", 0)
     assert [(r["step"], r["state"]) for r in rows] == [(3, "SKIPPED"), (6, "SKIPPED")]
     assert all(why in r["reason"] for r in rows)
+    deadline = time.time() + 10  # SIGKILL is delivered, not waited for
+    while process.alive(pid, ticks) and time.time() < deadline:
+        time.sleep(0.05)
     assert not process.alive(pid, ticks)
     assert not ledger.evaluations_outstanding(["e1"])
     assert [e["kind"] for e in ledger.events("e1") if e["kind"].startswith("eval.")].count("eval.skipped") == 2

@@ -39,3 +39,14 @@ def test_how_an_evaluation_ended_from_what_it_left():
     assert second.state is EvalState.PENDING and "try 2 of 3" in second.cause
     last = policy.ended(row(20, EvalState.RUNNING, tries=3), None, None, 2)
     assert last.state is EvalState.FAILED and "3 time(s)" in last.cause
+
+
+def test_the_best_are_checkpoints_by_the_metric_never_the_base_and_ties_go_to_the_later_step():
+    def done(step, value):
+        return {"step": step, "state": EvalState.DONE.value, "metrics": {"exact_match": value}}
+
+    rows = [done(0, 0.9), done(10, 0.5), done(20, 0.75), done(30, 0.75), row(40, EvalState.RUNNING),
+            {"step": 50, "state": EvalState.DONE.value, "metrics": {"contains": 1.0}}]
+    assert [r["step"] for r in policy.best(rows, "exact_match", "max", 2)] == [30, 20]
+    assert [r["step"] for r in policy.best(rows, "exact_match", "min", 1)] == [10]
+    assert policy.best(rows, "bleu", "max", 1) == []

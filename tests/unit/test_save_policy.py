@@ -53,3 +53,10 @@ def _section(**checkpoint):
 def test_of_the_task_config_section():
     assert SavePolicy.of(_section(every_steps=10, consolidate={})) == SavePolicy(10, None, True)
     assert SavePolicy.of(_section(every_minutes=1.5)) == SavePolicy(None, 1.5, False)
+
+
+def test_the_last_step_is_saved_for_a_consolidation_or_an_evaluation_unless_committed_already():
+    assert not SavePolicy(every_steps=3).final_save(10, 9)
+    assert SavePolicy(every_steps=3, consolidate=True).final_save(10, 9)
+    assert SavePolicy(every_steps=3, evaluated=True).final_save(10, 9)  # eval.checkpoints: the weights as trained are evaluated
+    assert not SavePolicy(every_steps=3, evaluated=True).final_save(9, 9)

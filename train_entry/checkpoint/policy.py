@@ -5,8 +5,8 @@ Three reasons: every ``every_steps`` steps (every rank counts the same steps, so
 agreement is needed); every ``every_minutes`` minutes and the checkpoint signal (a
 preemption, a time limit), which the ranks agree on one step late, their clocks and
 signals differing. After the signal's save the run stops to be requeued. At the last
-step no scheduled save: the run is over, and its weights are what a final save for the
-consolidation is for.
+step no scheduled save: the run is over; a final save of it is made for the consolidation,
+or for its evaluation (the watcher evaluates every committed checkpoint: the last too).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ class SavePolicy:
     every_steps: int | str | None = None  # "auto": checkpoint.auto.AutoInterval decides
     every_minutes: float | None = None
     consolidate: bool = False  # the job's last step consolidates the final checkpoint
+    evaluated: bool = False  # the watcher evaluates each committed checkpoint (eval.checkpoints): the last too
 
     @classmethod
-    def of(cls, checkpoint) -> "SavePolicy":
+    def of(cls, checkpoint, evaluated: bool = False) -> "SavePolicy":
         """From the task config's ``checkpoint`` section."""
-        return cls(checkpoint.every_steps, checkpoint.every_minutes, bool(checkpoint.consolidate))
+        return cls(checkpoint.every_steps, checkpoint.every_minutes, bool(checkpoint.consolidate), evaluated)
 
     def by_step(self, step: int, total: int) -> bool:
         every = self.every_steps
@@ -55,5 +56,6 @@ class SavePolicy:
         return Due.NONE
 
     def final_save(self, step: int, committed_step: int | None) -> bool:
-        """After the last step: a save of it for the consolidation, unless it is committed already."""
-        return self.consolidate and committed_step != step
+        """After the last step: a save of it for the consolidation, or for its evaluation,
+        unless it is committed already."""
+        return (self.consolidate or self.evaluated) and committed_step != step
