@@ -1,6 +1,7 @@
-"""``orchestrate cancel`` and the evaluations of checkpoints (orchestrator.evaluate.tend):
-asked to stop, those due or running stop (the running one's process killed) and no more
-are planned, whether the experiment's training was still running or over."""
+"""One task's evaluations tended by the watcher (orchestrator.evaluate.tend): ``orchestrate
+cancel`` stops those due or running (the running one's process killed) and plans no more,
+whether training was still running or over; a checkpoint gone before its turn is skipped
+with an event, and the next one goes on."""
 
 import json
 import time
@@ -66,3 +67,42 @@ def test_a_stop_of_one_task_is_that_tasks(ledger, tmp_path):
     _running(ledger, tmp_path)
     assert cancel.stop_evaluations(ledger, ledger.experiment("e1"), 0) is True
     assert ledger.evaluations_stopped("e1") == {0}
+
+
+class Recorded:
+    """Where evaluations run, as the tending sees it: what was started, nothing run."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, row, args, out, cwd, settings, tag):
+        self.started.append((row["step"], args[0], tag))
+        return None, None, f"job-{row['step']}", f"job job-{row['step']}"
+
+    def alive(self, row):
+        return True
+
+    def stop(self, row):
+        raise AssertionError("nothing is stopped here")
+
+
+def test_a_checkpoint_gone_before_its_evaluation_starts_is_skipped_with_an_event_and_the_next_goes_on(ledger, tmp_path):
+    from orchestrator import contract
+
+    tdir = tmp_path / "t0"
+    for step in (3, 6):
+        folder = contract.checkpoints_dir(tdir) / contract.checkpoint_name(step)
+        folder.mkdir(parents=True)
+        ledger.record_checkpoint("e1", 0, step, str(folder), None)
+    (contract.checkpoints_dir(tdir) / contract.checkpoint_name(6) / contract.MANIFEST).write_text("{}")  # 3 has none: pruned
+    exp = ledger.experiment("e1")
+    settings = CheckpointEval.model_validate(json.loads(exp["spec"])["eval"]["checkpoints"])
+    runs = Recorded()
+    tend.tend(ledger, exp, ledger.tasks("e1")[0], settings, runs=runs)
+    tend.tend(ledger, exp, ledger.tasks("e1")[0], settings, runs=runs)
+    rows = {r["step"]: r for r in ledger.evaluations("e1", 0)}
+    assert rows[3]["state"] == "SKIPPED" and "is gone (pruned or rotated before its turn)" in rows[3]["reason"]
+    assert rows[6]["state"] == "RUNNING" and rows[6]["job_id"] == "job-6"
+    assert runs.started == [(6, str(contract.checkpoints_dir(tdir) / contract.checkpoint_name(6)), "eval-0-6")]
+    assert [e["kind"] for e in ledger.events("e1") if e["kind"].startswith("eval.")] == [
+        "eval.due", "eval.due", "eval.skipped", "eval.started"]
