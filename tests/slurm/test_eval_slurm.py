@@ -27,7 +27,7 @@ model: {{kind: hf, path: {model}, lora: {{r: 4, alpha: 8}}}}
 data: {{kind: jsonl, path: {data}, max_length: 48}}
 optimizer: {{lr: 1.0e-2}}
 batch: {{micro_batch_size: 2}}
-steps: 7
+steps: 6
 checkpoint: {{every_steps: 3, keep_last: 2}}
 heartbeat: {{interval_s: 1}}
 resources: {{nodes: 1, tasks_per_node: 1, cpus_per_task: 1, time: "00:10:00"}}
