@@ -1,8 +1,9 @@
 """Evaluating every checkpoint off the training path: a LoRA fine-tune of SmolLM2 on the
 order-filing task (`configs/smollm2-lora-evals.yaml`, 2 ranks, a checkpoint every 10
 steps), each committed checkpoint evaluated by the watcher on the 40 held-out prompts
-(exact match) as its own process; training's step time against the same fine-tune without
-evaluations, and exact match against the step.
+(exact match) as its own process, the base model first; training's step time against the same
+fine-tune without evaluations, exact match against the step, and what keep_last: 1 and
+keep_best leave on disk.
 
     python bench/evals.py [--steps 60] [--json]
 
@@ -81,6 +82,10 @@ def run(steps: int) -> dict:
     during = [b - a for a, b in timed.values() if any(a < end and b > start for start, end in spans)]
     baseline = [b - a for a, b in steps_of(plain).values()]
     rows = ledger.evaluations(exp["id"], 0)
+    from orchestrator import contract
+
+    tdir = contract.task_dir(exp["run_dir"], 0)
+    best = [b["step"] for b in (exp["tasks"][0].get("evaluations") or {}).get("best", {}).values()][:1]
     return {
         "steps": steps, "wall_s": round(wall, 1), "plain_wall_s": round(plain_wall, 1), "evaluations": len(rows),
         "exact_match": {r["step"]: (r["metrics"] or {}).get("exact_match") for r in rows},
@@ -88,7 +93,10 @@ def run(steps: int) -> dict:
         "step_s_during": statistics.median(during) if during else None, "n_during": len(during),
         "step_s_all": statistics.median(b - a for a, b in timed.values()), "n_all": len(timed),
         "step_s_without": statistics.median(baseline), "n_without": len(baseline),
-        "best": [b["step"] for b in (exp["tasks"][0].get("evaluations") or {}).get("best", {}).values()][:1],
+        "best": best,
+        # keep_last: 1 — what is left on disk once the run and its evaluations are over
+        "kept": sorted(st for st, _ in contract.committed_checkpoints(tdir)),
+        "best_export": bool(best) and (contract.eval_dir(tdir, best[0]) / "model").is_dir(),
         "machine": machine(),
     }
 
@@ -98,7 +106,8 @@ def render(r: dict) -> str:
     em = ", ".join(f"step {s}: {v:.3f}" for s, v in sorted(r["exact_match"].items(), key=lambda kv: int(kv[0])) if v is not None)
     evs = r["eval_seconds"]
     lines = [
-        f"{r['steps']} steps, {r['evaluations']} checkpoints evaluated: {r['wall_s']:.0f} s in all, the last evaluations "
+        f"{r['steps']} steps, {r['evaluations']} evaluations (the base model as step 0, and each checkpoint): "
+        f"{r['wall_s']:.0f} s in all, the last evaluations "
         f"after training ({r['plain_wall_s']:.0f} s without evaluations).", "",
         "| figure | value | against |", "|---|---|---|",
     ]
@@ -111,8 +120,10 @@ def render(r: dict) -> str:
     if evs:
         lines.append(f"| one evaluation (export, load, 40 answers), s (min / median / max) | {min(evs):.1f} / "
                      f"{statistics.median(evs):.1f} / {max(evs):.1f} | |")
-    lines.append(f"| exact match on the 40 held-out prompts | {em} | the base model: 0 of 40 (the quickstart's score) |")
+    lines.append(f"| exact match on the 40 held-out prompts | {em} | step 0: the base model |")
     lines.append(f"| the best kept (keep_best, ties: the later step) | step {', '.join(map(str, r['best'])) or '-'} | |")
+    lines.append(f"| checkpoints on disk at the end (keep_last: 1) | steps {', '.join(map(str, r.get('kept', []))) or '-'}; "
+                 f"the best's exported folder {'there' if r.get('best_export') else 'missing'} | |")
     return "\n".join(lines)
 
 

@@ -19,6 +19,8 @@ UNSEEN_GRACE_S = 180.0  # a job the scheduler has not shown yet (accounting lags
 class LocalRuns:
     """Detached processes beside the watcher, at a low priority."""
 
+    timed_here = True  # the watcher stops one past timeout_min
+
     def start(self, row: dict, args: list[str], out: Path, cwd: str, settings, tag: str) -> tuple[int | None, int | None, str | None, str]:
         pid, ticks = process.start([sys.executable, "-m", "train_entry.checkpoint_eval", *args], out, cwd)
         return pid, ticks, None, f"pid {pid}"
@@ -38,6 +40,8 @@ class LocalRuns:
 class JobRuns:
     """Each evaluation its own job; what the scheduler said of them this cycle (one batched
     poll for every running evaluation, ``observations``; None when it did not answer)."""
+
+    timed_here = False  # the job's own time limit (timeout_min) stops it: time spent waiting in the queue is not counted
 
     def __init__(self, scheduler, run_dir: Path, observations: dict[str, Observation] | None, clock=time.time):
         self.scheduler, self.run_dir, self.observations, self.clock = scheduler, Path(run_dir), observations, clock

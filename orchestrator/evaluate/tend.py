@@ -145,7 +145,7 @@ def _watch(ledger, exp_id: str, idx: int, tdir: Path, row: dict, settings, clock
     step = row["step"]
     out = contract.eval_dir(tdir, step)
     if runs.alive(row):
-        if clock() - (row["started_at"] or clock()) <= settings.timeout_min * 60:
+        if not runs.timed_here or clock() - (row["started_at"] or clock()) <= settings.timeout_min * 60:
             return
         runs.stop(row)  # over its time: a failed try
     result = read_result(out)

@@ -86,7 +86,8 @@ class CheckpointEval(Strict):
     base: bool = Field(False, strict=True, description="Evaluate the base model too, as step 0, before the first checkpoint.")
     max_parallel: int = Field(1, ge=1, le=16, strict=True, description="Evaluations of one task running at once (in step order).")
     retries: int = Field(2, ge=0, le=10, strict=True, description="Tries again after an evaluation that failed, then an event.")
-    timeout_min: float = Field(60.0, gt=0, le=7 * 24 * 60, description="An evaluation running longer is stopped (a failed try).")
+    timeout_min: float = Field(60.0, gt=0, le=7 * 24 * 60, description="An evaluation running longer is stopped (a failed "
+                               "try); on SLURM, its job's time limit (time waiting in the queue does not count).")
     resources: Annotated[EvalResources, LOGIN_SIDE] = Field(
         default_factory=EvalResources, description="SLURM: each evaluation's own job (partition, GPUs, CPUs, memory).")
 
