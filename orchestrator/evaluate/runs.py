@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.errors import SchedulerError
 from orchestrator.evaluate import process
 from orchestrator.scheduler import JobRef, Observation
 
@@ -66,8 +67,6 @@ class JobRuns:
 
 def poll(scheduler, rows: list[dict], run_dirs: dict[str, str]) -> dict[str, Observation] | None:
     """One poll for every running evaluation job (None: the scheduler did not answer)."""
-    from orchestrator.errors import SchedulerError
-
     refs = [JobRef(r["job_id"], Path(run_dirs[r["experiment_id"]]), r["idx"], r["started_at"]) for r in rows]
     try:
         return scheduler.poll(refs) if refs else {}

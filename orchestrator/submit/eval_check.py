@@ -14,6 +14,7 @@ from orchestrator.errors import SpecError
 from orchestrator.spec import yamlsrc
 from orchestrator.spec.load import set_path
 from orchestrator.submit import command_check
+from orchestrator.submit.paths import local_path
 
 FIELD = ("eval", "checkpoints")
 
@@ -33,7 +34,7 @@ def check(spec, here: Path, raw: dict, lines: dict, source: str) -> None:
         raise refuse(("base",), "the base model is evaluated for model kind hf, whose folder is known; a program's base "
                                 "is in its own arguments: leave base out")
     if ce.kind == "generate":
-        ce.prompts = str(_absolute(here, ce.prompts))
+        ce.prompts = str(local_path(here, ce.prompts))
         set_path(raw, (*FIELD, "prompts"), ce.prompts)
         from train_entry.checkpoint_eval import EvalError, read_prompts  # reads the file: what the evaluations will read
 
@@ -44,7 +45,7 @@ def check(spec, here: Path, raw: dict, lines: dict, source: str) -> None:
     elif ce.kind == "lm-eval":
         if importlib.util.find_spec("lm_eval") is None:
             raise refuse(("kind",), "the lm-eval harness is not installed: pip install 'orchestrate[lm-eval]'")
-        ce.include_path = str(_absolute(here, ce.include_path))
+        ce.include_path = str(local_path(here, ce.include_path))
         set_path(raw, (*FIELD, "include_path"), ce.include_path)
         named = task_names(Path(ce.include_path))
         if named is None:
@@ -83,11 +84,3 @@ class _Tolerant(yaml.SafeLoader):
 
 
 _Tolerant.add_multi_constructor("!", lambda loader, suffix, node: None)
-
-
-def _absolute(here: Path, value: str) -> Path:
-    try:
-        value = os.path.expanduser(value)
-    except RuntimeError:  # `~user` of an unknown user: as written (then it is no file)
-        pass
-    return (here / value).resolve()

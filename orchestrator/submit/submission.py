@@ -23,6 +23,7 @@ from orchestrator.spec.layers import explain
 from orchestrator.spec.load import dump_resolved, load_spec, set_path
 from orchestrator.spec.sweep import expand
 from orchestrator.submit import command_check, eval_check, preflight
+from orchestrator.submit.paths import local_path
 from orchestrator.submit.plan import build_plan
 
 
@@ -36,7 +37,7 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
     spec, raw, lines = load_spec(spec_path, overrides, layers)
     here = Path(spec_path).resolve().parent
     if spec.model.kind == "script":  # the compute nodes need its absolute path
-        script = _local_path(here, spec.model.script)
+        script = local_path(here, spec.model.script)
         if not os.path.isfile(script):  # never raises (a name too long, say), unlike Path.is_file
             raise SpecError([yamlsrc.issue(lines, ("model", "script"), f"no file '{script}'", str(spec_path))])
         spec.model.script = str(script)
@@ -53,7 +54,7 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
             _command_paths(t.spec.model, here, None, lines, str(spec_path), t.spec.env.get("PATH", os.environ.get("PATH")))
     executor = executor or default_executor()
     eval_check.check(spec, here, raw, lines, str(spec_path))
-    workdir = _local_path(Path.cwd(), spec.workdir) if spec.workdir else home / "runs"
+    workdir = local_path(Path.cwd(), spec.workdir) if spec.workdir else home / "runs"
     plan = build_plan(
         spec,
         tasks,
@@ -72,17 +73,6 @@ def make_plan(spec_path: str, overrides: list[str], executor: str | None, home: 
     return dataclasses.replace(plan, skipped=tuple(skipped))
 
 
-def _local_path(here: Path, text: str) -> Path:
-    """``text`` as an absolute path, relative ones from ``here``; `~user` of an unknown
-    user stays as written (then it is no file), not a traceback."""
-    path = Path(text)
-    try:
-        path = path.expanduser()
-    except RuntimeError:
-        pass
-    return (here / path).resolve()
-
-
 def _blame_overrides(issue: SpecIssue, lines: dict) -> SpecIssue:
     """A preflight issue about a field a `--set` item wrote, moved onto `--set`."""
     for path, item in getattr(lines, "overrides", {}).items():
@@ -96,14 +86,14 @@ def _command_paths(model, here: Path, raw: dict | None, lines: dict, source: str
     """model.cwd absolute (the spec's folder when left out), and a relative argv[0] that
     names a file (it has a '/') taken from there: the agent starts it on the compute nodes.
     Then ``command_check``: the program on ``path`` (the ranks' PATH), the files it reads."""
-    cwd = _local_path(here, model.cwd) if model.cwd else here
+    cwd = local_path(here, model.cwd) if model.cwd else here
     if not os.path.isdir(cwd):
         raise SpecError([yamlsrc.issue(lines, ("model", "cwd"), f"no folder '{cwd}'", source)])
     model.cwd = str(cwd)
     if raw is not None:
         set_path(raw, ("model", "cwd"), str(cwd))
     if "/" in model.argv[0]:
-        program = _local_path(cwd, model.argv[0])
+        program = local_path(cwd, model.argv[0])
         if not os.path.isfile(program):
             raise SpecError([yamlsrc.issue(lines, ("model", "argv", 0), f"no file '{program}'", source)])
         if not os.access(program, os.X_OK):
@@ -121,7 +111,7 @@ def _absolute_paths(spec, here: Path, raw: dict | None = None, lines: dict | Non
     (relative ones are taken from the spec's folder); a data path's glob pattern expanded here,
     once, so every start of every task reads the same files in the same order."""
     if spec.model.kind == "hf":
-        spec.model.path = str(_local_path(here, spec.model.path))
+        spec.model.path = str(local_path(here, spec.model.path))
         if raw is not None:
             set_path(raw, ("model", "path"), spec.model.path)
     if spec.data.kind not in RECORD_KINDS:
@@ -136,7 +126,7 @@ def _absolute_paths(spec, here: Path, raw: dict | None = None, lines: dict | Non
         if raw is not None:
             set_path(raw, ("data", key), getattr(d, key))
     if d.cache_dir:
-        d.cache_dir = str(_local_path(here, d.cache_dir))
+        d.cache_dir = str(local_path(here, d.cache_dir))
         if raw is not None:
             set_path(raw, ("data", "cache_dir"), d.cache_dir)
 
@@ -147,7 +137,7 @@ def _data_paths(given: str | list[str], here: Path, field: tuple, lines: dict, s
     path that exists as written is taken as written, brackets and all."""
     out: list[str] = []
     for i, text in enumerate([given] if isinstance(given, str) else given):
-        path = str(_local_path(here, text))
+        path = str(local_path(here, text))
         if not glob.has_magic(text) or os.path.exists(path):
             out.append(path)
             continue
