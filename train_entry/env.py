@@ -97,7 +97,7 @@ def rendezvous(
         if not addr:
             raise RuntimeError(f"cannot resolve the first node '{first}', SLURM has no NodeAddr for it "
                                "and srun gave no SLURM_LAUNCH_NODE_IPADDR")
-    return addr, derive_port(ctx.job_id, generation)
+    return addr, derive_port(ctx.job_id, generation, ctx.restart_count)
 
 
 def free_port() -> int:

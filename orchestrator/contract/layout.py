@@ -209,15 +209,16 @@ def stacks_path(ldir: PathLike, generation: int, rank: int) -> Path:
 RENDEZVOUS_PORTS = (20000, 32000)
 
 
-def derive_port(job_id: str, generation: int = 0) -> int:
+def derive_port(job_id: str, generation: int = 0, restart: int = 0) -> int:
     """A rendezvous port from the job id: jobs sharing a node never pick the same one.
 
-    ``generation`` counts in-place restarts inside one allocation, so a restarted
-    rendezvous does not race the sockets of the previous one. The range stays below Linux's
+    ``generation`` counts in-place restarts inside one allocation and ``restart`` SLURM's
+    requeues of the job (same id, maybe the same node), so a new rendezvous does not race
+    the sockets of the previous one. The range stays below Linux's
     default ephemeral range (32768-60999), where the kernel picks the local port of every
     outgoing connection on the node (gloo's, other jobs'): a port derived there was found
     taken by one (EADDRINUSE), which cost a restart.
     """
     digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
     first, end = RENDEZVOUS_PORTS
-    return first + (int(digits) * 31 + generation * 7919) % (end - first)
+    return first + (int(digits) * 31 + (generation + 97 * restart) * 7919) % (end - first)

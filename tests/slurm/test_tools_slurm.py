@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,17 @@ def test_trl_sft_as_its_docs_write_it_is_preempted_requeued_and_resumes_bitwise(
     resumed = [e["cause"] for e in events if e["kind"] == "checkpoint.resumed"]
     saved_at = int(re.search(r"saving step (\d+)", signalled[0]).group(1))
     assert 5 <= saved_at < STEPS and resumed[0].startswith(f"resumed from step {saved_at} "), (saved_at, resumed)
+    # two attempts, plus a generation for each in-place restart the ledger tells of (on a loaded
+    # machine the agent may restart a rank it judged lost: a designed recovery, named here)
+    restarts = [e["cause"] for e in events if e["kind"] == "attempt.restarted"]
+    if restarts:
+        warnings.warn(f"in-place restarts during the TRL run: {restarts}")
     for rank in (0, 1):  # each launch: accelerate's child became the rank, and its SFTTrainer got the callback
         log = contract.log_path(tdir, rank).read_text()
-        assert log.count("orchestrate: accelerate launch would start ") == 2, log[-3000:]
-        assert log.count("orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)") == 2, log[-3000:]
+        launches = log.count("=== launch ")
+        assert launches == 2 + len(restarts), (restarts, log[-3000:])
+        assert log.count("orchestrate: accelerate launch would start ") == launches, log[-3000:]
+        assert log.count("orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)") == launches, log[-3000:]
 
     # the same command, never interrupted, on the same world of 2 ranks
     out = cli("submit", str(spec(tmp_path, "ref", tiny_model, data)), "--executor", "local", "--wait", "--json", home=home,

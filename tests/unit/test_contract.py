@@ -58,6 +58,9 @@ def test_ports_differ_between_jobs_and_generations():
     ports = {contract.derive_port(str(j)) for j in range(1000, 1100)}
     assert len(ports) == 100 and all(20000 <= p < 32000 for p in ports)  # below the kernel's ephemeral ports
     assert contract.derive_port("1234_5") != contract.derive_port("1234_5", generation=1)
+    # a requeued job keeps its id and may land on the same node: its restarts get other ports too
+    tries = {contract.derive_port("1234_5", generation=g, restart=r) for g in range(4) for r in range(4)}
+    assert len(tries) == 16
 
 
 def test_contract_sections_are_generated_from_the_current_spec():

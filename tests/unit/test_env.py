@@ -41,7 +41,7 @@ def test_rendezvous_falls_back_to_slurm_node_addr():
 
     addr, port = env.rendezvous(ctx, resolve=unresolvable, node_addr=lambda n: {"n2": "10.1.2.3"}.get(n))
     assert addr == "10.1.2.3"
-    assert port == env.derive_port("4240_2")
+    assert port == env.derive_port("4240_2", restart=1)  # the job requeued once
     addr, _ = env.rendezvous(ctx, resolve=lambda n: "127.0.0.9")
     assert addr == "127.0.0.9"
     with pytest.raises(RuntimeError, match="n2"):
