@@ -72,7 +72,7 @@ def run(steps: int) -> dict:
     data = Path.home() / ".cache" / "orchestrate" / "data" / "orders"
     subprocess.run([python(), "-m", "train_entry.examples.chat_task", "write", str(data)], check=True, timeout=300,
                    stdout=subprocess.DEVNULL)
-    plain, _, plain_wall = submit(steps, "eval.checkpoints=null", "checkpoint.keep_best=null")
+    plain, _, plain_wall = submit(steps, "eval.checkpoints=null", "checkpoint.keep_best=null", "checkpoint.consolidate=null")
     exp, home, wall = submit(steps)
     from orchestrator.ledger import Ledger
 

@@ -94,6 +94,7 @@ def eval_dir(tdir: PathLike, step: int) -> Path:
     return Path(tdir) / "evals" / f"step-{int(step):09d}"
 
 
+WEIGHTS_RECORD = "consolidated.json"  # written last into weights/ or an export: what it was made from
 EVAL_RESULT = "result.json"  # in an evaluation's folder, written last (records.EVAL_RESULT)
 EVAL_ERROR = "error.json"  # or why it could not run (records.EVAL_ERROR)
 

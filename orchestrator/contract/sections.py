@@ -87,6 +87,10 @@ class Consolidate:
     max_shard_size: str = "5GB"
     # The consolidation step is stopped (and the task failed) after this long.
     timeout_min: float = 120
+    # `last`: the final checkpoint, by the job once training is done. `best`: the best one by
+    # `checkpoint.keep_best`, by the watcher once the task's evaluations are over (its evaluation's
+    # export, written with this dtype and shard size).
+    which: Literal["last", "best"] = "last"
     # max_shard_size in bytes, computed by the planner
     max_shard_bytes: int = 5368709120
 

@@ -9,5 +9,6 @@ a result is tried again up to ``retries`` times, one that cannot run as asked FA
 whose checkpoint was gone or damaged SKIPPED. Training never waits for any of it.
 
 ``policy``: the decisions, pure. ``process``: starting and watching the processes.
-``tend``: one task's part of the watcher's cycle, plan then apply.
+``tend``: one task's part of the watcher's cycle, plan then apply. ``weights``: with
+``checkpoint.consolidate.which: best``, the task's weights/ from the best one's export.
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 from orchestrator import contract
 from orchestrator.contract import records, safe_read
 from orchestrator.errors import SchedulerError
-from orchestrator.evaluate import policy, process
+from orchestrator.evaluate import policy, process, weights
 from orchestrator.evaluate.runs import LocalRuns
 from orchestrator.states import CheckpointState, EvalState, TaskState
 
@@ -31,6 +31,14 @@ def keep_best_of(exp: dict):
     from orchestrator.spec.policies import KeepBest
 
     return _section(exp, "checkpoint", "keep_best", KeepBest)
+
+
+def best_weights_of(exp: dict):
+    """The experiment's ``checkpoint.consolidate`` when it asks for the best one (None: not)."""
+    from orchestrator.spec.policies import Consolidate
+
+    consolidate = _section(exp, "checkpoint", "consolidate", Consolidate)
+    return consolidate if consolidate is not None and consolidate.which == "best" else None
 
 
 def _section(exp: dict, section: str, key: str, model):
@@ -75,6 +83,8 @@ def tend(ledger, exp: dict, task: dict, settings, clock=time.time, stopped: bool
     _pin(tdir, rows)
     if TaskState(task["state"]).terminal and not any(EvalState(r["state"]).outstanding for r in rows):
         _rotate(ledger, exp, idx, tdir, committed, rows)
+        if task["state"] == TaskState.COMPLETED.value and best_weights_of(exp) and (keep := keep_best_of(exp)):
+            weights.make_best(ledger, exp_id, idx, tdir, rows, keep)
 
 
 def _cancel(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict], runs, why: str) -> None:
@@ -172,7 +182,7 @@ def _start(ledger, exp: dict, idx: int, tdir: Path, row: dict, settings, runs, b
         return
     cwd = os.path.dirname(exp.get("spec_path") or "") or str(tdir)
     cwd = cwd if os.path.isdir(cwd) else str(tdir)
-    args = process.arguments(folder, out, settings, base=of_base)
+    args = process.arguments(folder, out, settings, base=of_base) + weights.export_arguments(best_weights_of(exp))
     try:
         pid, ticks, job, where = runs.start(row, args, out, cwd, settings, f"eval-{idx}-{step}")
     except SchedulerError as exc:  # SLURM refused or did not answer: the next cycle tries again

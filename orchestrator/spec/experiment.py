@@ -134,6 +134,10 @@ class Spec(Strict):
 
     def _evaluation_pairs(self) -> None:
         best, ce = self.checkpoint.keep_best, self.eval.checkpoints
+        consolidate = self.checkpoint.consolidate
+        if consolidate is not None and consolidate.which == "best" and best is None:
+            raise FieldError(("checkpoint", "consolidate", "which"), "the best by what? set checkpoint.keep_best (its metric, "
+                             "from eval.checkpoints), or which: last")
         if best is None:
             return
         if ce is None:

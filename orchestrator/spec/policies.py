@@ -25,7 +25,7 @@ _SHARD_BYTES = Derived("max_shard_bytes", "int", parse_bytes, "max_shard_size in
 
 
 class Consolidate(Strict):
-    """Full weights from the final checkpoint, written by the job once training is done."""
+    """Full weights from the final (or the best) checkpoint, written once training (or its evaluations) are done."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of floating-point weights (fp32: the master weights as trained).")
     format: Literal["safetensors", "torch"] = Field("safetensors", description="`safetensors` shards plus index, or `torch` (`pytorch_model*.bin`).")
@@ -34,6 +34,11 @@ class Consolidate(Strict):
     )
     timeout_min: float = Field(
         120, gt=0, le=YEAR_S / 60, strict=True, description="The consolidation step is stopped (and the task failed) after this long."
+    )
+    which: Literal["last", "best"] = Field(
+        "last", description="`last`: the final checkpoint, by the job once training is done. `best`: the best one by "
+        "`checkpoint.keep_best`, by the watcher once the task's evaluations are over (its evaluation's export, written "
+        "with this dtype and shard size)."
     )
 
     @field_validator("max_shard_size", mode="before")

@@ -107,7 +107,8 @@ def test_a_bad_prompts_file_names_its_line(home, tmp_path):
     assert out.returncode == 2 and f"{bad}:2:" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-WATCHED = SPEC.replace("keep_last: 3", "keep_last: 2, keep_best: {{metric: answer_length, mode: min}}") + """\
+WATCHED = SPEC.replace("keep_last: 3", "keep_last: 2, keep_best: {{metric: answer_length, mode: min}}, "
+                       "consolidate: {{which: best, dtype: bf16}}") + """\
 eval: {{checkpoints: {{prompts: {prompts}, metrics: [exact_match, contains], score: "lengths:answer_length", retries: 1}}}}
 """
 LENGTHS = "def answer_length(answer, reference, prompt):\n    return len(answer)\n"
@@ -172,6 +173,20 @@ def test_the_watcher_evaluates_each_committed_checkpoint_and_a_killed_evaluation
     assert said[0]["export"] == str(contract.eval_dir(tdir, best) / "model") and said[0]["checkpoint"]
     assert any(e["kind"] == "eval.best" and e["cause"].startswith(f"step {best} is the best by answer_length")
                for e in ledger.events(exp["id"]))
+    # consolidate.which: best: weights/ is the best one's export (bf16 as asked), made once
+    # the evaluations were over; the job made none at the end of training
+    import peft
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    weights = contract.weights_dir(tdir)
+    assert json.loads((weights / contract.WEIGHTS_RECORD).read_text())["step"] == best
+    with safe_open(str(weights / "adapter" / "adapter_model.safetensors"), "pt") as fh:
+        assert {str(fh.get_tensor(k).dtype) for k in fh.keys()} == {"torch.bfloat16"}
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), weights / "adapter")
+    kinds = [(e["kind"], e["cause"]) for e in ledger.events(exp["id"]) if e["kind"].startswith("weights.")]
+    assert [k for k, _ in kinds] == ["weights.deferred", "weights.best"], kinds
+    assert kinds[1][1].startswith(f"step {best}, the best by answer_length")
     # the report: each metric against the step, the best starred, the tasks ranked by it
     rep = cli("report", exp["id"], "--json", home=home)
     assert rep.returncode == 0, rep.stderr

@@ -30,6 +30,7 @@ eval:
     ("    kind: lm-eval\n    tasks: [nope]\n    include_path: tasks", "eval.checkpoints.tasks[0]", "no task 'nope' in the YAMLs"),
     ("    kind: command\n    argv: [no-such-program-here, '{model}']", "eval.checkpoints.argv[0]", "no program 'no-such-program-here'"),
     ("    kind: command\n    argv: [./score.py]\n    base: true\n    resources: {partition: 'a;b'}", "eval.checkpoints.resources.partition", ""),
+    ("    prompts: d.jsonl\ncheckpoint: {consolidate: {which: best}}", "checkpoint.consolidate.which", "set checkpoint.keep_best"),
 ])
 def test_each_kind_names_what_it_lacks_before_anything_is_queued(tmp_path, home, section, field, message):
     (tmp_path / "tasks").mkdir()

@@ -1,7 +1,8 @@
 """The job's last step when the spec sets ``checkpoint.consolidate``: full weights from the
 final checkpoint into the task's ``weights/`` folder; for ``model: {kind: hf}`` a Hugging
 Face folder (the model of a full fine-tune; ``adapter/``, and ``merged/`` with
-``export.merge_lora``, for LoRA and QLoRA).
+``export.merge_lora``, for LoRA and QLoRA). With ``which: best`` nothing here: the watcher
+makes them from the best checkpoint's evaluation export (``orchestrator.evaluate.weights``).
 
 Node 0's agent runs it once every rank finished, as its own process (the ranks' memory is
 free by then), under a timeout, and stops it on SIGTERM. What happens is told to the
@@ -52,6 +53,10 @@ class _Step:
 def run(cfg: contract.TaskConfig, tdir: Path, launch: str, generation: int, signals: list[int]) -> int:
     opts = cfg.checkpoint.consolidate
     rec = _Step(tdir, launch, generation)
+    if opts.which == "best":  # not known until the evaluations, which outlive the job, are over
+        rec.event("weights.deferred", "checkpoint.consolidate.which: best: the watcher writes weights/ from the best "
+                  "checkpoint's export once the task's evaluations are over")
+        return ExitCode.OK
     out = contract.weights_dir(tdir)
     found = contract.committed_checkpoints(tdir)
     if not found:  # the built-in loop always saves its last step; a script may not have saved at all

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="lm-eval: at most this many examples per task")
     ap.add_argument("--argv-json", default=None, help="command: the program's argv as a JSON list")
     ap.add_argument("--timeout-s", type=float, default=None, help="command: the program's time limit")
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="of the export (model/)")
+    ap.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, help="of the export's files")
     args = ap.parse_args(argv)
     if args.kind == "generate" and not args.prompts:
         ap.error("--prompts is needed for --kind generate")
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else default_out(folder)
         settings = Settings(args.prompts, tuple(args.metric or ("exact_match",)), args.score, args.max_new_tokens,
                             kind=args.kind, tasks=tuple(args.task), include_path=args.include_path, limit=args.limit,
-                            argv=command, timeout_s=args.timeout_s)
+                            argv=command, timeout_s=args.timeout_s, dtype=args.dtype,
+                            max_shard_bytes=args.max_shard_bytes)
         result = evaluate_checkpoint(folder, out, settings, base=args.base)
     except (EvalError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

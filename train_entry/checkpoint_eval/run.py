@@ -30,6 +30,8 @@ class Settings:
     limit: int | None = None
     argv: tuple[str, ...] = ()  # command
     timeout_s: float | None = None
+    dtype: str = "fp32"  # of the export: checkpoint.consolidate's, when the best one becomes weights/
+    max_shard_bytes: int = 5 * 1024**3
 
 
 def evaluate_checkpoint(folder: str | Path, out: str | Path, settings: Settings, base: bool = False) -> dict:
@@ -55,7 +57,7 @@ def evaluate_checkpoint(folder: str | Path, out: str | Path, settings: Settings,
         if settings.kind == "generate":  # its inputs checked before minutes of export
             read_prompts(settings.prompts)
             generate.scorers(settings.metrics, settings.score)
-        model_dir = export(folder, out / "model", step)
+        model_dir = export(folder, out / "model", step, settings.dtype, settings.max_shard_bytes)
     if settings.kind == "lm-eval":
         from train_entry.checkpoint_eval import harness
 
@@ -115,18 +117,18 @@ def loadable(model_dir: Path) -> Loadable:
                     "Face model (model kind hf, a Trainer program) can be evaluated")
 
 
-def export(folder: Path, dst: Path, step: int) -> Path:
+def export(folder: Path, dst: Path, step: int, dtype: str = "fp32", max_shard_bytes: int = 5 * 1024**3) -> Path:
     """The checkpoint as a Hugging Face folder (the consolidation ``ckpt consolidate`` runs);
     one already there from the same step is kept (it is renamed into place only once whole)."""
     from train_entry.consolidate import RECORD, ConsolidateError, consolidate
 
     done = contract.read_json(dst / RECORD) if dst.is_dir() else None
-    if isinstance(done, dict) and done.get("step") == step:
+    if isinstance(done, dict) and done.get("step") == step and done.get("dtype", dtype) == dtype:
         return dst
     shutil.rmtree(dst, ignore_errors=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        consolidate(folder, dst, hf=True)
+        consolidate(folder, dst, dtype=dtype, max_shard_bytes=max_shard_bytes, hf=True)
     except ConsolidateError as exc:
         raise EvalError(f"cannot export the checkpoint: {exc}") from None
     return dst

@@ -46,7 +46,7 @@ __all__ = [
 
 DTYPES = ("fp32", "bf16", "fp16")
 FORMATS = ("safetensors", "torch")
-RECORD = "consolidated.json"  # written last into the output: what it was made from
+RECORD = contract.WEIGHTS_RECORD  # written last into the output: what it was made from
 READ_BATCH_BYTES = 128 * 1024**2  # read (and keep mapped) at most this much at a time
 
 
