@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # DeepSpeed builds from source: no ops ahead of time (the engines compile none they need)
 export DS_BUILD_OPS := 0
 
-.PHONY: install tools quickstart smoke test test-fast docs
+.PHONY: install tools quickstart smoke test test-fast docs gpu-check gpu-check-prepare
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -33,6 +33,16 @@ quickstart: install
 smoke: install
 	$(PYTHON) -m orchestrator submit configs/smoke.yaml --executor local --wait
 	$(PYTHON) -m orchestrator events smoke
+
+# the GPU check (scripts/gpu-check): on a CUDA machine, every engine, fp16, kill -9 and resume,
+# async saves, the Trainer's tokens/s beside ours, `pytest -m gpu`; report in bench/GPU.md.
+# Without CUDA: GPU_CHECK_ARGS="--device cpu --quick --out /tmp/gc" (the CPU mode CI runs).
+# `make gpu-check-prepare` here first: the wheels and tokenizer files a bare, offline machine lacks.
+gpu-check:
+	$(PYTHON) scripts/gpu-check $(GPU_CHECK_ARGS)
+
+gpu-check-prepare: install
+	$(PYTHON) scripts/gpu-check --prepare
 
 # the documentation site, into site/ (strict: a broken link or anchor is an error)
 docs:

@@ -292,7 +292,7 @@ def restart_local_cluster(**variant: str) -> None:
         assert out.returncode == 0, out.stdout + out.stderr
 
 
-TIERS = {"unit": set(), "multiproc": {"multiproc"}, "slurm": {"multiproc", "slurm"}}
+TIERS = {"unit": set(), "multiproc": {"multiproc"}, "slurm": {"multiproc", "slurm"}, "gpu": {"gpu"}}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist names the groups from the markers added here
@@ -304,7 +304,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
         folder = parts[0] if len(parts) > 1 else ""
-        marks = {m.name for m in item.iter_markers()} & {"multiproc", "slurm"}
+        marks = {m.name for m in item.iter_markers()} & {"multiproc", "slurm", "gpu"}
         if folder not in TIERS or not marks <= TIERS[folder]:
             wrong.append(f"{item.nodeid} (marked {sorted(marks) or 'unit'}) is in tests/{folder or '.'}")
     if wrong:

@@ -94,6 +94,9 @@ def build(session: RankSession, device):
     from train_entry.models import build_workload
 
     cfg, ctx = session.cfg, session.ctx
+    if cfg.engine.get("deterministic") and device.type == "cuda":  # atomics in backward (embeddings, scatter) differ run to run
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's first handle, made later
+        torch.use_deterministic_algorithms(True)
     ckpt = Checkpointer(cfg, ctx.rank, ctx.world_size)
     durable = ckpt.find_resume()
     snaps = Snapshots(cfg, ctx.rank, ctx.world_size, ctx.launch, session.hb)

@@ -27,6 +27,11 @@ class _EngineCommon(Strict):
     activation_checkpointing: Annotated[bool, TRAINER_ONLY] = Field(
         False, description="Recompute each transformer block in the backward pass instead of storing its activations."
     )
+    deterministic: Annotated[bool, TRAINER_ONLY] = Field(
+        False, description="On GPUs, deterministic kernels only (`torch.use_deterministic_algorithms`, "
+        "`CUBLAS_WORKSPACE_CONFIG=:4096:8`): a resume's losses then equal an uninterrupted run's bit for bit, at some "
+        "cost in speed. CPU kernels are deterministic already."
+    )
 
     @field_validator("precision")
     @classmethod

@@ -214,13 +214,13 @@ def ignoring_requeue(folder):
     shim = folder / "scontrol"
     shim.write_text(f'#!/bin/sh\n[ "$1" = requeue ] && exit 0\nexec {shutil.which("scontrol")} "$@"\n')
     shim.chmod(0o755)
-    return {"PATH": f"{folder}:{os.environ['PATH']}", "ORCHESTRATE_REQUEUE_TAKE_S": "20"}
+    return {"PATH": f"{folder}:{os.environ['PATH']}", "ORCHESTRATE_REQUEUE_TAKE_S": "10"}
 
 
 @pytest.mark.parametrize("requeue", ["taken", "ignored"])
 def test_hung_agents_that_do_not_answer_are_escalated_and_the_run_recovered(slurm, home, tmp_path, watchers, reference_loss, capsys, requeue):
-    # the agents' deadline shortened from 60 s: SIGSTOPped, they never answer, however long
-    env = {"ORCHESTRATE_AGENT_ANSWER_S": "15", **(ignoring_requeue(tmp_path / "bin") if requeue == "ignored" else {})}
+    # the agents' deadline shortened from 60 s to 8: SIGSTOPped, they never answer, however long
+    env = {"ORCHESTRATE_AGENT_ANSWER_S": "8", **(ignoring_requeue(tmp_path / "bin") if requeue == "ignored" else {})}
     exp_id, tdir = start(home, tmp_path, watchers, "hungagents", timeout=", timeout_s: 4", watcher_env=env)
     wait_for_step(tdir, 250)
     ranks = [heartbeat(tdir, r)["pid"] for r in (0, 1)]
@@ -253,7 +253,7 @@ def test_hung_agents_that_do_not_answer_are_escalated_and_the_run_recovered(slur
     with capsys.disabled():
         print(f"\n[chaos] SIGSTOP of both agents and their ranks, requeue {requeue} -> escalated after "
               f"{escalated['time'] - stopped_at:.1f} s, training again after {resumed - stopped_at:.1f} s "
-              "(hang timeout 4 s, agents' deadline 15 s" + (", requeue given up after 20 s)" if requeue == "ignored" else ")"))
+              "(hang timeout 4 s, agents' deadline 8 s" + (", requeue given up after 10 s)" if requeue == "ignored" else ")"))
 
 
 def test_a_node_set_down_is_excluded_and_the_task_requeued_on_other_nodes(slurm, home, tmp_path, watchers, reference_loss):
