@@ -30,7 +30,8 @@ class _EngineCommon(Strict):
     deterministic: Annotated[bool, TRAINER_ONLY] = Field(
         False, description="On GPUs, deterministic kernels only (`torch.use_deterministic_algorithms`, "
         "`CUBLAS_WORKSPACE_CONFIG=:4096:8`): a resume's losses then equal an uninterrupted run's bit for bit, at some "
-        "cost in speed. CPU kernels are deterministic already."
+        "cost in speed (a kernel with no deterministic version is warned of in the rank's log). CPU kernels are "
+        "deterministic already."
     )
 
     @field_validator("precision")
