@@ -237,4 +237,7 @@ def test_cancel_stops_the_evaluations_that_outlive_training(home, tmp_path, tiny
     rows = ledger.evaluations(running["experiment_id"])
     assert rows and all(r["state"] == "SKIPPED" and "its evaluations were cancelled" in r["reason"] for r in rows), rows
     assert ledger.experiment(running["experiment_id"])["state"] == "COMPLETED"  # training's outcome stands
+    deadline = time.time() + 15  # SIGKILL is delivered, not waited for; a loaded machine reaps it a moment later
+    while process_start_ticks(running["pid"]) == running["start_ticks"] and time.time() < deadline:
+        time.sleep(0.1)
     assert process_start_ticks(running["pid"]) != running["start_ticks"]  # its process is gone
