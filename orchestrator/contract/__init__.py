@@ -39,6 +39,7 @@ from .codes import EXIT_OF_KIND, UNCAUGHT_EXCEPTION, ExitCode, FailureKind, Requ
 from .files import (
     append_jsonl,
     atomic_write_json,
+    replace_folder,
     atomic_write_text,
     create_exclusive_json,
     fsync_dir,
@@ -144,6 +145,7 @@ __all__ = [
     "UnsafeDeletion",
     "append_jsonl",
     "atomic_write_json",
+    "replace_folder",
     "atomic_write_text",
     "cancel_flag_path",
     "fault_rate_path",

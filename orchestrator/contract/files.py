@@ -34,6 +34,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def replace_folder(new: str | os.PathLike, out: str | os.PathLike, old: str | os.PathLike) -> None:
+    """``new`` (whole) renamed to ``out``; what ``out`` held moved to ``old`` first and removed
+    after, so a reader sees the previous folder or the new one, never a mix. A link or file at
+    ``out`` is removed, not followed."""
+    import shutil
+
+    out, old = Path(out), Path(old)
+    shutil.rmtree(old, ignore_errors=True)
+    if out.is_symlink() or out.is_file():
+        out.unlink()
+    elif out.exists():
+        out.rename(old)
+    Path(new).rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n")
 

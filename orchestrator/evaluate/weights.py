@@ -49,14 +49,7 @@ def make_best(ledger, exp_id: str, idx: int, tdir: Path, rows: list[dict], keep)
     out = contract.weights_dir(tdir)
     try:
         _link_tree(src, contract.weights_tmp_dir(tdir, _BUILD))
-        old = contract.weights_tmp_dir(tdir, _BUILD, old=True)
-        shutil.rmtree(old, ignore_errors=True)
-        if out.is_symlink() or out.is_file():
-            out.unlink()
-        elif out.exists():
-            out.rename(old)
-        contract.weights_tmp_dir(tdir, _BUILD).rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        contract.replace_folder(contract.weights_tmp_dir(tdir, _BUILD), out, contract.weights_tmp_dir(tdir, _BUILD, old=True))
     except OSError as exc:
         shutil.rmtree(contract.weights_tmp_dir(tdir, _BUILD), ignore_errors=True)
         cause = f"no weights/ from step {step}, the best by {keep.metric}: {exc}"

@@ -85,12 +85,8 @@ def run(cfg: contract.TaskConfig, tdir: Path, launch: str, generation: int, sign
             return rec.failed(f"the consolidation took longer than checkpoint.consolidate.timeout_min ({opts.timeout_min} min); see {log}")
         return rec.failed(f"{_last_error(log)} ({ended}; see {log})")
     summary = contract.read_json(tmp / RECORD) or {}
-    if out.exists():  # weights of an older checkpoint: replaced only once the new ones are whole
-        old = contract.weights_tmp_dir(tdir, launch, old=True)
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
-    tmp.rename(out)
+    # weights of an older checkpoint: replaced only once the new ones are whole
+    contract.replace_folder(tmp, out, contract.weights_tmp_dir(tdir, launch, old=True))
     layout = {"full": "; a Hugging Face model folder", "adapter": "; a PEFT adapter folder: adapter/",
               "adapter+merged": "; a PEFT adapter folder (adapter/) and the merged model (merged/)"}.get(summary.get("hf"), "")
     rec.event("weights.consolidated", f"step {step} -> {out}: {summary.get('tensors')} tensors, {summary.get('bytes', 0) / 1e6:,.1f} MB "
