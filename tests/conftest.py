@@ -178,20 +178,50 @@ def write(path: Path, text: str) -> Path:
 SESSION_START = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 60))
 
 SLURM_BASE = Path(os.environ.get("SLURM_LOCAL_DIR", REPO / ".slurm-local"))
+# the second local cluster (`SLURM_LOCAL_CLUSTER=2 scripts/slurm-local up`; scripts/test-suite starts it)
+SECOND_SLURM_BASE = REPO / ".slurm-local-2"
+# The SLURM test files of the second stream, on the second cluster (see xdist_group_of): none
+# restarts its cluster, stops its accounting or needs it alone; the first stream keeps those.
+SECOND_STREAM = frozenset({
+    "test_faults_slurm.py", "test_hf_trainer_slurm.py", "test_engines_slurm.py", "test_tools_slurm.py",
+    "test_slurm_e2e.py", "test_command_kind.py", "test_eval_slurm.py", "test_trackers.py",
+})
+
+
+def cluster_answers(conf: Path) -> bool:
+    return conf.exists() and subprocess.run(["scontrol", "ping"], capture_output=True, timeout=30,
+                                            env={**os.environ, "SLURM_CONF": str(conf)}).returncode == 0
+
+
+def slurm_conf_for(node) -> Path:
+    """The slurm.conf of the cluster the test ``node`` runs on. A second-stream file uses the
+    second cluster; run by hand without it (no xdist streams), the first one."""
+    first = SLURM_BASE / "etc" / "slurm.conf"
+    if Path(str(node.fspath)).name not in SECOND_STREAM:
+        return first
+    second = SECOND_SLURM_BASE / "etc" / "slurm.conf"
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return second  # beside the first stream: never fall back onto its cluster
+    return second if cluster_answers(second) else first
+
+
+def local_cluster(node, monkeypatch) -> Path:
+    """Point this test's SLURM clients at its local cluster (SLURM_CONF); a cluster that does
+    not answer fails the test in CI, else skips it."""
+    conf = slurm_conf_for(node)
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    if not cluster_answers(conf):
+        second = "SLURM_LOCAL_CLUSTER=2 " if conf.parent.parent == SECOND_SLURM_BASE else ""
+        msg = f"the local SLURM cluster is not running: start it with `{second}scripts/slurm-local up`"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(msg)
+    return conf
 
 
 @pytest.fixture
-def slurm(monkeypatch):
+def slurm(request, monkeypatch):
     """The project's local SLURM cluster (`scripts/slurm-local up`; `make test` starts it).
     Its clients find it through SLURM_CONF. In CI a missing cluster is a failure, never a skip."""
-    conf = SLURM_BASE / "etc" / "slurm.conf"
-    monkeypatch.setenv("SLURM_CONF", str(conf))
-    ok = conf.exists() and subprocess.run(["scontrol", "ping"], capture_output=True, timeout=30).returncode == 0
-    if not ok:
-        msg = "the local SLURM cluster is not running: start it with `scripts/slurm-local up`"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    conf = local_cluster(request.node, monkeypatch)
     yield conf
     # a failed test must not leave jobs holding the nodes for the next one
     subprocess.run(["scancel", "--me"], capture_output=True, timeout=30)
@@ -284,8 +314,8 @@ def wait_for_step(task_dir, step: int, timeout: float = 120) -> None:
 
 def restart_local_cluster(**variant: str) -> None:
     """`scripts/slurm-local down` then `up` with ``variant`` (SLURM_LOCAL_ACCOUNTING=none,
-    SLURM_LOCAL_MAX_ARRAY_SIZE=10, ...); without one, the cluster every other test uses."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_LOCAL_ACCOUNTING", "SLURM_LOCAL_MAX_ARRAY_SIZE", "SLURM_LOCAL_MAX_SUBMIT")}
+    SLURM_LOCAL_MAX_ARRAY_SIZE=10, ...); without one, the cluster every other test of the first stream uses."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_LOCAL_ACCOUNTING", "SLURM_LOCAL_MAX_ARRAY_SIZE", "SLURM_LOCAL_MAX_SUBMIT", "SLURM_LOCAL_CLUSTER")}
     for cmd in ("down", "up"):
         out = subprocess.run([str(REPO / "scripts" / "slurm-local"), cmd], env={**env, **variant}, capture_output=True,
                              text=True, timeout=300)
@@ -315,13 +345,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def xdist_group_of(item) -> str | None:
-    """The heavy tiers share the two cores as two streams: every SLURM test in one (they
-    share one cluster, set its nodes DOWN, restart it), the multi-process tests file by file
-    in the other (a file's module fixture trains once). The SLURM tests wait on the
-    scheduler, signals and time limits for much of their time; the other stream uses it."""
+    """The heavy tiers share the two cores as three streams (`-n 3`): the SLURM tests as two,
+    each on its own local cluster and one test at a time there (tests set its nodes DOWN,
+    restart it, cancel their jobs with `scancel --me`), the multi-process tests file by file
+    (a file's module fixture trains once) on whichever worker is free. The SLURM tests wait
+    on the scheduler, signals and time limits for much of their time; the others use it."""
     marks = {m.name for m in item.iter_markers()}
     if "slurm" in marks:
-        return "slurm"
+        return "slurm-2" if Path(str(item.fspath)).name in SECOND_STREAM else "slurm"
     if "multiproc" in marks:
         return Path(str(item.fspath)).name
     return None

@@ -44,7 +44,7 @@ WHEEL_MUST_HAVE = (
 )
 
 # Not part of the product; never copied for the wheel build.
-_NOT_SOURCE = {".git", ".slurm-local", "build", "dist", "runs", ".whl", ".gl", ".pytest_cache", ".venv", "venv"}
+_NOT_SOURCE = {".git", ".slurm-local", ".slurm-local-2", "build", "dist", "runs", ".whl", ".gl", ".pytest_cache", ".venv", "venv"}
 
 
 def _source_packages() -> set[str]:

@@ -127,14 +127,11 @@ def test_a_silent_rank_that_reports_no_step_is_a_hang_and_says_so():
 
 
 @pytest.fixture
-def cluster(monkeypatch):
+def cluster(monkeypatch, request):
     """The local SLURM cluster; afterwards only this test's jobs are cancelled (others may share it)."""
-    from conftest import SLURM_BASE
+    from conftest import local_cluster
 
-    conf = SLURM_BASE / "etc" / "slurm.conf"
-    monkeypatch.setenv("SLURM_CONF", str(conf))
-    if not (conf.exists() and subprocess.run(["scontrol", "ping"], capture_output=True, timeout=30).returncode == 0):
-        (pytest.fail if os.environ.get("CI") else pytest.skip)("the local SLURM cluster is not running: scripts/slurm-local up")
+    local_cluster(request.node, monkeypatch)
     names: list[str] = []
     yield names
     for name in names:

@@ -22,9 +22,16 @@ def submit_wait(home, *args, timeout=300):
     return json.loads(out.stdout)["experiments"][0]
 
 
-def sacct_states(job: str) -> dict:
-    out = slurm_run("sacct", "-S", SESSION_START, "-X", "-n", "-P", "-o", "JobID,State", "-j", job)
-    return dict(line.split("|") for line in out.splitlines() if line)
+def sacct_states(job: str, settle_s: float = 30) -> dict:
+    """The job's final states. The ledger may call a task COMPLETED from the job's own exit record a moment
+    before SLURM has reaped the batch step, so a job still RUNNING or COMPLETING is asked again."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        out = slurm_run("sacct", "-S", SESSION_START, "-X", "-n", "-P", "-o", "JobID,State", "-j", job)
+        states = dict(line.split("|") for line in out.splitlines() if line)
+        if not {"RUNNING", "COMPLETING"} & set(states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
 
 
 def test_two_nodes_by_two_ranks_trains_and_the_ledger_shows_both_nodes(slurm, home, tmp_path):

@@ -2,7 +2,6 @@
 run continues one W&B run (offline) and writes its TensorBoard steps into one folder."""
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -54,14 +53,12 @@ def _tensorboard_steps(folder: Path) -> list[int]:
 
 @pytest.mark.slurm
 @pytest.mark.multiproc
-def test_a_requeued_run_continues_one_wandb_run_and_one_tensorboard_folder(home, tmp_path, monkeypatch):
+def test_a_requeued_run_continues_one_wandb_run_and_one_tensorboard_folder(home, tmp_path, monkeypatch, request):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
-    from conftest import SLURM_BASE
+    from conftest import local_cluster
 
-    monkeypatch.setenv("SLURM_CONF", str(SLURM_BASE / "etc" / "slurm.conf"))
-    if subprocess.run(["scontrol", "ping"], capture_output=True, timeout=30).returncode != 0:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)("the local SLURM cluster is not running")
+    local_cluster(request.node, monkeypatch)
     argv = ["python", str(REPO / "tests" / "data" / "tracked_train.py"), "--steps", "12", "--leave-at", "6"]
     spec = write(tmp_path / "t.yaml", f"""\
 name: tracked
