@@ -70,10 +70,14 @@ def test_evaluation_jobs_run_on_their_partition_a_killed_one_is_retried_and_trai
         assert time.time() < deadline, "no evaluation job ran"
         rows = [r for r in ledger.evaluations(exp_id) if r["state"] == "RUNNING" and r["job_id"]]
         for row in rows:
-            pids = job_processes(row["job_id"])
-            if pids:
-                for pid in pids:
+            hit = 0
+            for pid in job_processes(row["job_id"]):
+                try:
                     os.kill(pid, signal.SIGKILL)
+                    hit += 1
+                except ProcessLookupError:  # it ended between the listing and the kill
+                    pass
+            if hit:
                 killed = row
                 break
         time.sleep(0.2)

@@ -92,8 +92,10 @@ def test_trl_sft_as_its_docs_write_it_is_preempted_requeued_and_resumes_bitwise(
         log = contract.log_path(tdir, rank).read_text()
         launches = log.count("=== launch ")
         assert launches == 2 + len(restarts), (restarts, log[-3000:])
-        assert log.count("orchestrate: accelerate launch would start ") == launches, log[-3000:]
-        assert log.count("orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)") == launches, log[-3000:]
+        # a launch ended by a restart may have died before it got that far (seen: the rendezvous
+        # reset while gloo connected); every other launch got both
+        for said in ("orchestrate: accelerate launch would start ", "orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)"):
+            assert launches - len(restarts) <= log.count(said) <= launches, (said, log[-3000:])
 
     # the same command, never interrupted, on the same world of 2 ranks
     out = cli("submit", str(spec(tmp_path, "ref", tiny_model, data)), "--executor", "local", "--wait", "--json", home=home,
