@@ -48,10 +48,11 @@ gpu-check-prepare: install
 docs:
 	$(PYTHON) -m mkdocs build --strict --site-dir site
 
-# The tiers (tests/README.md): the multi-process and SLURM tiers as two streams side by side
-# (-n 2 --dist loadgroup: the SLURM tests one at a time on one worker, one cluster; the
-# multi-process files one at a time on the other, tests/conftest.py groups them), and the unit
-# tier beside them at a lower priority, in the cycles they leave idle (scripts/test-suite).
+# The tiers (tests/README.md): the multi-process and SLURM tiers as three streams side by side
+# (-n 3 --dist loadgroup: the SLURM tests as two, one at a time on each of two local clusters;
+# the multi-process files one at a time on whichever worker is free, tests/conftest.py groups
+# them), and the unit tier beside them at a lower priority, in the cycles they leave idle
+# (scripts/test-suite, which also starts the second cluster).
 # Each run prints its slowest tests at the end.
 FAST := -m "not multiproc and not slurm"
 

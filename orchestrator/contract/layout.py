@@ -95,6 +95,7 @@ def eval_dir(tdir: PathLike, step: int) -> Path:
 
 
 WEIGHTS_RECORD = "consolidated.json"  # written last into weights/ or an export: what it was made from
+MAX_SHARD_BYTES = 5 * 1024**3  # checkpoint.consolidate.max_shard_size's default (5GB), for the tools run by hand
 EVAL_RESULT = "result.json"  # in an evaluation's folder, written last (records.EVAL_RESULT)
 EVAL_ERROR = "error.json"  # or why it could not run (records.EVAL_ERROR)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -42,13 +43,30 @@ def best_weights_of(exp: dict):
 
 
 def _section(exp: dict, section: str, key: str, model):
+    return _validated(exp.get("spec") or "{}", section, key, model)
+
+
+@functools.lru_cache(maxsize=1024)
+def _validated(spec: str, section: str, key: str, model):
+    """One section of a spec as the ledger holds it, validated once per experiment, not per
+    task per cycle (the watcher asks every cycle for every task). Read-only to its callers."""
     from pydantic import ValidationError
 
     try:
-        value = json.loads(exp.get("spec") or "{}").get(section, {}).get(key)
+        value = _parsed(spec).get(section, {}).get(key)
         return None if value is None else model.model_validate(value)
-    except (ValueError, AttributeError, ValidationError):
+    except (AttributeError, ValidationError):
         return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(spec: str) -> dict:
+    """The spec's JSON, parsed once (read-only: the cache hands the same dict to every caller)."""
+    try:
+        value = json.loads(spec)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def tend(ledger, exp: dict, task: dict, settings, clock=time.time, stopped: bool = False, runs=None) -> None:
@@ -107,7 +125,7 @@ def _rotate(ledger, exp: dict, idx: int, tdir: Path, committed: list[tuple[int, 
     trainer's rotation removed, said. Each recorded PRUNED, so the ledger's rows alone tell
     the next cycle there is nothing to do (no folder is looked at per task per cycle)."""
     try:
-        keep_last = int(json.loads(exp.get("spec") or "{}").get("checkpoint", {}).get("keep_last", 2))
+        keep_last = int(_parsed(exp.get("spec") or "{}").get("checkpoint", {}).get("keep_last", 2))
     except (ValueError, AttributeError, TypeError):
         return
     keep = keep_best_of(exp)
@@ -196,7 +214,7 @@ def _start(ledger, exp: dict, idx: int, tdir: Path, row: dict, settings, runs, b
 def base_model(exp: dict) -> str | None:
     """The base model's folder (model kind hf), evaluated as step 0 with ``base: true``."""
     try:
-        model = json.loads(exp.get("spec") or "{}").get("model", {})
+        model = _parsed(exp.get("spec") or "{}").get("model", {})
         return model["path"] if model.get("kind") == "hf" and isinstance(model.get("path"), str) else None
     except (ValueError, AttributeError, KeyError):
         return None

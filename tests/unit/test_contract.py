@@ -63,6 +63,16 @@ def test_ports_differ_between_jobs_and_generations():
     assert len(tries) == 16
 
 
+def test_the_tools_run_by_hand_shard_as_the_spec_does_by_default():
+    """`python -m train_entry.consolidate` and the checkpoint evaluation's export, run without
+    a spec, write shards of the size `checkpoint.consolidate` defaults to."""
+    from orchestrator.contract.sections import Consolidate
+    from orchestrator.spec.policies import Consolidate as SpecConsolidate
+    from orchestrator.spec.units import parse_bytes
+
+    assert contract.MAX_SHARD_BYTES == Consolidate.max_shard_bytes == parse_bytes(SpecConsolidate().max_shard_size)
+
+
 def test_contract_sections_are_generated_from_the_current_spec():
     """The compute side's section dataclasses are the spec's fields, written once in the spec:
     regenerate with scripts/regen-contract-sections after changing one."""

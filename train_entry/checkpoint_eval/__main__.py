@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--argv-json", default=None, help="command: the program's argv as a JSON list")
     ap.add_argument("--timeout-s", type=float, default=None, help="command: the program's time limit")
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="of the export (model/)")
-    ap.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3, help="of the export's files")
+    ap.add_argument("--max-shard-bytes", type=int, default=contract.MAX_SHARD_BYTES, help="of the export's files")
     args = ap.parse_args(argv)
     if args.kind == "generate" and not args.prompts:
         ap.error("--prompts is needed for --kind generate")

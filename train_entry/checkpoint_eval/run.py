@@ -31,7 +31,7 @@ class Settings:
     argv: tuple[str, ...] = ()  # command
     timeout_s: float | None = None
     dtype: str = "fp32"  # of the export: checkpoint.consolidate's, when the best one becomes weights/
-    max_shard_bytes: int = 5 * 1024**3
+    max_shard_bytes: int = contract.MAX_SHARD_BYTES
 
 
 def evaluate_checkpoint(folder: str | Path, out: str | Path, settings: Settings, base: bool = False) -> dict:
@@ -117,7 +117,7 @@ def loadable(model_dir: Path) -> Loadable:
                     "Face model (model kind hf, a Trainer program) can be evaluated")
 
 
-def export(folder: Path, dst: Path, step: int, dtype: str = "fp32", max_shard_bytes: int = 5 * 1024**3) -> Path:
+def export(folder: Path, dst: Path, step: int, dtype: str = "fp32", max_shard_bytes: int = contract.MAX_SHARD_BYTES) -> Path:
     """The checkpoint as a Hugging Face folder (the consolidation ``ckpt consolidate`` runs);
     one already there from the same step is kept (it is renamed into place only once whole)."""
     from train_entry.consolidate import RECORD, ConsolidateError, consolidate

@@ -71,7 +71,7 @@ def _inside(folder: Path, sub: Path) -> Path:
 
 
 def consolidate(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32", fmt: str = "safetensors",
-                max_shard_bytes: int = 5 * 1024**3, hf: bool | None = None, base: str | os.PathLike | None = None) -> dict:
+                max_shard_bytes: int = contract.MAX_SHARD_BYTES, hf: bool | None = None, base: str | os.PathLike | None = None) -> dict:
     """Write the model weights of one committed checkpoint to ``out``; returns a summary.
 
     ``hf``: write a Hugging Face folder (``consolidate.hf``); None: when the checkpoint holds
@@ -157,7 +157,7 @@ def _write_all(reader, dst: Path, dtype: str, fmt: str, max_shard_bytes: int) ->
     return {**write_items(reader, items, dst, fmt, max_shard_bytes), "dtype": dtype}
 
 
-def write_items(reader, items: list[Item], dst: Path, fmt: str = "safetensors", max_shard_bytes: int = 5 * 1024**3,
+def write_items(reader, items: list[Item], dst: Path, fmt: str = "safetensors", max_shard_bytes: int = contract.MAX_SHARD_BYTES,
                 stem: str | None = None) -> dict:
     """``items`` (``name``: in the output, ``key``: in ``reader``) into ``dst``: every shard in
     plan order, each read in batches of at most ``READ_BATCH_BYTES`` whose rank files are

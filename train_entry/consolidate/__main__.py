@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="fp32", choices=DTYPES)
     ap.add_argument("--format", default="safetensors", choices=FORMATS)
-    ap.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3)
+    ap.add_argument("--max-shard-bytes", type=int, default=contract.MAX_SHARD_BYTES)
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
                     help="a Hugging Face folder (default: when the checkpoint holds hf.json)")
     ap.add_argument("--base", help="the base model folder, if it moved since training (--hf)")
