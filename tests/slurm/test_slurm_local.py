@@ -66,3 +66,40 @@ def test_down_after_a_crashed_daemon_leaves_nothing_and_up_recovers():
     while (states := set(sh("sinfo", "-h", "-o", "%t").stdout.split())) != {"idle"} and time.time() < deadline:
         time.sleep(0.5)
     assert states == {"idle"}, states
+
+
+def conf_values(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line and not line.startswith("#"))
+
+
+def test_a_second_cluster_is_apart_from_the_first(slurm):
+    """`SLURM_LOCAL_CLUSTER=2`: the suite's second SLURM stream runs there while the first
+    stream sets nodes DOWN, restarts its cluster and cancels its jobs: nothing may be shared."""
+    from conftest import SECOND_SLURM_BASE, cluster_answers
+
+    second = SECOND_SLURM_BASE / "etc" / "slurm.conf"
+    if not cluster_answers(second):
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("start it with `SLURM_LOCAL_CLUSTER=2 scripts/slurm-local up`")
+    out = subprocess.run([str(SCRIPT), "env"], env={**os.environ, "SLURM_LOCAL_CLUSTER": "2"}, capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == f"export SLURM_CONF={second.resolve()}"
+    one, two = conf_values(BASE / "etc" / "slurm.conf"), conf_values(second)
+    for key in ("ClusterName", "SlurmctldPort", "StateSaveLocation", "AuthInfo", "AccountingStoragePort"):
+        assert one.get(key) != two.get(key), key
+    assert int(two["FirstJobId"]) > 100000 > int(one.get("FirstJobId", "1"))  # rendezvous ports are derived from job ids
+    # a job of the second is not the first's: its id, its queue, its scancel (held: it takes
+    # none of the nodes the second stream's tests use meanwhile)
+    env2 = {**os.environ, "SLURM_CONF": str(second)}
+    job = subprocess.run(["sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap", "sleep 30"], env=env2, capture_output=True,
+                         text=True, timeout=30, check=True).stdout.strip()
+    try:
+        assert int(job) > 100000
+        assert job not in sh("squeue", "-h", "-o", "%i").stdout.split()
+        sh("scancel", "--me")  # the first cluster's: the second's job goes on
+        assert job in subprocess.run(["squeue", "-h", "-o", "%i"], env=env2, capture_output=True, text=True, timeout=30).stdout.split()
+    finally:
+        subprocess.run(["scancel", job], env=env2, capture_output=True, timeout=30)
+
+
+def test_an_unknown_cluster_number_is_refused():
+    out = subprocess.run([str(SCRIPT), "status"], env={**os.environ, "SLURM_LOCAL_CLUSTER": "x"}, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "SLURM_LOCAL_CLUSTER must be one of 1..9" in out.stderr
