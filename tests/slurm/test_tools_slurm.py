@@ -92,8 +92,9 @@ def test_trl_sft_as_its_docs_write_it_is_preempted_requeued_and_resumes_bitwise(
         log = contract.log_path(tdir, rank).read_text()
         launches = log.count("=== launch ")
         assert launches == 2 + len(restarts), (restarts, log[-3000:])
-        # a launch ended by a restart may have died before it got that far (seen: the rendezvous
-        # reset while gloo connected); every other launch got both
+        # a launch ended by a restart may have died before it got that far (seen before the
+        # launchers met at a barrier: rank 0's exec closed the store under rank 1); every other
+        # launch got both
         for said in ("orchestrate: accelerate launch would start ", "orchestrate: OrchestrateCallback added to SFTTrainer (model.instrument)"):
             assert launches - len(restarts) <= log.count(said) <= launches, (said, log[-3000:])
 

@@ -155,6 +155,54 @@ def test_accelerate_launch_becomes_the_process_it_would_start_with_its_settings(
     assert "orchestrate: accelerate launch would start " in err
 
 
+JOINED = """import os, subprocess, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")  # as `trl sft` does before it launches: its TrainingArguments join
+if os.environ["RANK"] == "1":
+    time.sleep(10)  # a rank whose launcher is slower (a loaded node); longer than torchrun takes to start
+print("launching", time.time(), flush=True)
+subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", sys.argv[1]], check=True)
+"""
+STARTED = "import time\nprint('started', time.time(), flush=True)\n"
+
+
+def test_launchers_that_joined_the_rendezvous_become_the_program_together(tmp_path):
+    """Rank 0's exec closes the store its launcher's process group was made through: it
+    waits until every rank's launcher has joined (a rank still joining got "Connection reset
+    by peer" and the launch was restarted)."""
+    import socket
+    import threading
+    import time
+
+    (tmp_path / "joined.py").write_text(JOINED)
+    (tmp_path / "started.py").write_text(STARTED)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "joined.py", "started.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=instrument.with_bootstrap(base_env(
+                                  RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))))
+             for r in (0, 1)]
+    heard: list[list[tuple[float, str]]] = [[], []]  # each rank's stderr lines, with when they came
+
+    def listen(rank):
+        for line in procs[rank].stderr:
+            heard[rank].append((time.time(), line))
+    readers = [threading.Thread(target=listen, args=(r,)) for r in (0, 1)]
+    for t in readers:
+        t.start()
+    outs = [p.stdout.read() for p in procs]
+    for p, t in zip(procs, readers):
+        p.wait(timeout=120)
+        t.join(timeout=30)
+    assert [p.returncode for p in procs] == [0, 0], heard
+    times = [{line.split()[0]: float(line.split()[1]) for line in out.splitlines()} for out in outs]
+    left = [min(t for t, line in h if "as its child" in line) for h in heard]  # said just before its exec
+    # rank 0 left its launcher only once rank 1's (10 s slower) had joined
+    assert left[0] >= times[1]["launching"] and times[0]["started"] >= times[1]["launching"], (left, times)
+
+
 WRAPPER = """import subprocess, sys
 print(subprocess.run([sys.executable, "-c", "print('an ordinary child')"], capture_output=True, text=True).stdout.strip(),
       flush=True)

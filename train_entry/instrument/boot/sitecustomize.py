@@ -87,6 +87,7 @@ def _instrument(module, what):
 
 def _become(argv, env, said):
     """This process becomes ``argv``, as this rank (``said``: why, for the rank's log)."""
+    _leave_process_group()
     env = _booted(env)
     env.update(_AGENT_ENV)
     sys.stderr.write("orchestrate: %s; this rank runs it itself (the node agent is the launcher, one process per rank)\n"
@@ -95,6 +96,21 @@ def _become(argv, env, said):
     sys.stderr.flush()
     program = argv[0] if os.sep in argv[0] else _which(argv[0], env)
     _EXECVE(program, argv, env)
+
+
+def _leave_process_group():
+    """A launcher that joined the agent's rendezvous before launching (``trl sft`` builds its
+    TrainingArguments first, which set up torch.distributed from this rank's variables) waits
+    for every rank's launcher to have joined before it becomes the program: rank 0's exec
+    closes the store the group was made through, under a rank still joining it (seen: that
+    rank's "Connection reset by peer", and an in-place restart of the whole launch)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - never stops the program: the agent's restart is what is left
+        _warn("waiting for the other ranks' launchers", exc)
 
 
 def _booted(env):
