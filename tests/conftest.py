@@ -32,6 +32,12 @@ def home(tmp_path, monkeypatch) -> Path:
     return h
 
 
+# A child Python process's limit in the tests. The unit tier runs at nice 10 beside three busy
+# streams (scripts/test-suite), where a child that imports torch and transformers got so few
+# cycles that it took over 120 s in CI; a limit only has to catch a hang.
+CHILD_TIMEOUT_S = 600
+
+
 # Commands run in the test's process (main() as a fresh process runs it, see _as_a_command):
 # a Python start and the command's imports (torch for `ckpt`) cost 0.7-2.3 s of a core a call,
 # about 120 calls in the multi-process and SLURM tiers. The others keep a process of their own:

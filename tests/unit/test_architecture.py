@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from conftest import CHILD_TIMEOUT_S
+
 from orchestrator import contract
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -345,7 +347,7 @@ def test_read_commands_import_only_what_they_use(one_experiment, argv):
         "atexit.register(lambda: print('\\nMODULES ' + json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in HEAVY))))\n"
         f"sys.exit(main({argv!r}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                          env={**__import__("os").environ, "ORCHESTRATE_HOME": str(home)})
     assert out.returncode == 0, out.stdout + out.stderr
     heavy = json.loads(out.stdout.rsplit("MODULES ", 1)[1])
@@ -367,7 +369,7 @@ def test_status_of_finished_experiments_reads_without_sqlite_utils(tmp_path):
     code = ("import sys, atexit; from orchestrator.cli.main import main\n"
             "atexit.register(lambda: print('\\nLOADED', 'sqlite_utils' in sys.modules))\n"
             "sys.exit(main(['status', 'done']))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                          env={**__import__("os").environ, "ORCHESTRATE_HOME": str(tmp_path)})
     assert out.returncode == 0 and "COMPLETED" in out.stdout, out.stdout + out.stderr
     assert out.stdout.rsplit("LOADED ", 1)[1].strip() == "False"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import CHILD_TIMEOUT_S, REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 LANGUAGES = {"sh", "yaml", "python", "json", "text"}
@@ -78,7 +78,7 @@ def test_the_site_builds_without_a_warning(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
          "--site-dir", str(tmp_path / "site")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, cwd=REPO,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "WARNING" not in out.stderr, out.stderr

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from conftest import CHILD_TIMEOUT_S
+
 from orchestrator.contract import envvars
 from train_entry import faults
 
@@ -84,10 +86,10 @@ def test_reinit_changes_only_the_named_trainable_parameters(monkeypatch):
 def test_the_watcher_dies_only_at_the_named_point(tmp_path):
     code = "from orchestrator.supervise import faults; faults.die_at('after-x'); faults.die_at('after-y'); print('past')"
     env = {envvars.FAULT_INJECT: "after-y", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 70 and "past" not in done.stdout
     env[envvars.FAULT_INJECT] = ""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0 and "past" in done.stdout
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, write
+from conftest import CHILD_TIMEOUT_S, REPO, cli, write
 from orchestrator.ledger import Ledger
 
 sys.path.insert(0, str(REPO / "tests" / "hf"))
@@ -206,13 +206,13 @@ def test_without_transformers_the_model_checks_are_skipped_with_a_warning(home, 
     # a cache of its own: an outline kept from an earlier check would need no transformers at all
     env = {**os.environ, "ORCHESTRATE_HOME": str(home), "PYTHONPATH": str(block), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     out = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(spec)], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=120)
+                         env=env, cwd=REPO, timeout=CHILD_TIMEOUT_S)
     assert out.returncode == 0, out.stderr  # 'nope' is left to the compute nodes
     (warning,) = out.stderr.splitlines()
     assert warning.startswith("warning: transformers is not importable") and "not checked" in warning
     bad = make_spec(tmp_path, tmp_path / "nowhere", chat_data)
     out = subprocess.run([sys.executable, "-m", "orchestrator", "validate", str(bad)], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=120)
+                         env=env, cwd=REPO, timeout=CHILD_TIMEOUT_S)
     assert out.returncode == 2 and f"model.path: no folder '{tmp_path / 'nowhere'}'" in out.stderr
 
 
@@ -281,7 +281,7 @@ def test_a_model_checked_before_is_checked_again_without_importing_torch(home, t
              "print('imported', 'torch' in sys.modules, 'transformers' in sys.modules); sys.exit(rc)")
 
     def validate():
-        out = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+        out = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, env=env, cwd=REPO, timeout=CHILD_TIMEOUT_S)
         assert out.returncode == 2 and "target_modules[1]: 'nope' is not a module of this model (LlamaForCausalLM)" in out.stderr
         return out.stdout.strip().splitlines()[-1]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import CHILD_TIMEOUT_S, REPO
 from train_entry import instrument
 
 FAKE = REPO / "tests" / "data" / "fake_transformers"
@@ -31,7 +31,7 @@ print(json.dumps({"argv": sys.argv, "main": __name__, "cwd": os.getcwd(), "path"
 
 
 def run(code: str, env: dict, cwd: Path, python: str = sys.executable, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([python, "-c", code, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([python, "-c", code, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
 
 
 def base_env(**extra) -> dict:
@@ -127,7 +127,7 @@ def become(launcher: list[str], tmp_path: Path) -> tuple[dict, str, int]:
     script.write_text(SHOW)
     proc = subprocess.Popen([*launcher, str(script), "--lr", "0.1"], env=instrument.with_bootstrap(base_env(**RANK_ENV)),
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, err
     [line] = out.splitlines()
     return json.loads(line), err, proc.pid
@@ -194,7 +194,7 @@ def test_launchers_that_joined_the_rendezvous_become_the_program_together(tmp_pa
         t.start()
     outs = [p.stdout.read() for p in procs]
     for p, t in zip(procs, readers):
-        p.wait(timeout=120)
+        p.wait(timeout=CHILD_TIMEOUT_S)
         t.join(timeout=30)
     assert [p.returncode for p in procs] == [0, 0], heard
     times = [{line.split()[0]: float(line.split()[1]) for line in out.splitlines()} for out in outs]
@@ -220,7 +220,7 @@ def test_a_wrapper_that_starts_a_launcher_as_its_child_becomes_the_rank(tmp_path
     proc = subprocess.Popen([sys.executable, str(wrapper), console_script("accelerate"), str(tmp_path / "show.py")],
                             env=instrument.with_bootstrap(base_env(**RANK_ENV)), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, err
     first, line = out.splitlines()
     seen = json.loads(line)

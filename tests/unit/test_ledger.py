@@ -1,6 +1,8 @@
 
 import pytest
 
+from conftest import CHILD_TIMEOUT_S
+
 from orchestrator import states
 from orchestrator.ledger import Ledger
 from orchestrator.ledger.migrations import MIGRATIONS, current_version, migrate
@@ -189,7 +191,7 @@ def test_the_watcher_job_is_refused_when_the_compute_nodes_cannot_share_the_ledg
     import sys
 
     env = {**os.environ, "ORCHESTRATE_HOME": str(tmp_path), "ORCHESTRATE_LEDGER_FS": "local"}
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "watch", "--sbatch"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "watch", "--sbatch"], capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "cannot share the ledger" in out.stderr and "ORCHESTRATE_HOME" in out.stderr and "ORCHESTRATE_LEDGER_FS=network" in out.stderr
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import CHILD_TIMEOUT_S
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from orchestrator import contract
@@ -147,6 +149,6 @@ def test_a_full_ledger_filesystem_keeps_nothing_half_written_and_commands_say_so
     spec = tmp_path / "s.yaml"
     spec.write_text("name: x\nsteps: 1\n")
     out = subprocess.run([sys.executable, "-m", "orchestrator", "submit", str(spec), "--executor", "local"],
-                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith("error: ") and "free space there and run the command again" in out.stderr.lower()
