@@ -8,8 +8,10 @@ ORCHESTRATE_FUZZ_EXAMPLES=5000 explores further with fresh random inputs.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +43,8 @@ SECONDS = 60  # per load: a guard against a hang or a blow-up (an alias bomb exp
 
 CONFIGS = {p.name: p.read_text() for p in sorted((REPO / "configs").glob("*.yaml"))}
 BASES = [yaml.safe_load(text) for text in CONFIGS.values()]
-WORK = Path(tempfile.mkdtemp(prefix="fuzz-spec-"))
+WORK = Path(tempfile.mkdtemp(prefix="fuzz-spec-"))  # one file, rewritten per example (hypothesis and tmp_path do not mix)
+atexit.register(shutil.rmtree, WORK, True)
 
 # field paths of the schema, so that mutations hit real fields as often as made-up ones
 SECTIONS = {

@@ -267,6 +267,7 @@ def test_data_as_a_glob_a_list_parquet_files_or_a_saved_data_set(home, tmp_path,
         assert out.returncode == 2 and out.stderr.count("data.path") == 1 and why in out.stderr, out.stderr  # one issue, the field named
 
 
+@pytest.mark.timeout(2 * CHILD_TIMEOUT_S)  # two of its children import torch and transformers
 def test_a_model_checked_before_is_checked_again_without_importing_torch(home, tmp_path, tiny_model, chat_data):
     """The login node keeps a checked config's outline by content: the next validate or submit
     of it imports neither torch nor transformers and finds the same problems; a damaged

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import CHILD_TIMEOUT_S
 from train_entry.integrations import trainer_engine
 from train_entry.integrations.hf_trainer import settings_notes
 
@@ -67,6 +68,7 @@ print(json.dumps({"plain": plain.deepspeed, "own": own.deepspeed, "notes": train
 """
 
 
+@pytest.mark.timeout(2 * CHILD_TIMEOUT_S)  # two children import transformers; 250 s in CI
 def test_real_training_arguments_get_the_specs_deepspeed_config_from_the_bootstrap(tmp_path):
     from orchestrator.spec.load import load_spec
     from orchestrator.spec.sweep import expand
@@ -84,7 +86,7 @@ def test_real_training_arguments_get_the_specs_deepspeed_config_from_the_bootstr
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k != "PYTHONPATH"}
     env["ORCHESTRATE_TASK_DIR"] = str(tdir)
     out = subprocess.run([sys.executable, "-c", ARGS], env=instrument.with_bootstrap(env), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["plain"]["zero_optimization"]["stage"] == 3 and seen["plain"]["train_micro_batch_size_per_gpu"] == "auto"
@@ -92,5 +94,5 @@ def test_real_training_arguments_get_the_specs_deepspeed_config_from_the_bootstr
     assert seen["own"] == {"zero_optimization": {"stage": 1}}  # the program's own wins
     assert len(seen["notes"]) == 2 and "handed to the Trainer" in seen["notes"][0] and "is not used" in seen["notes"][1]
     # without the bootstrap, nothing is handed over
-    bare = subprocess.run([sys.executable, "-c", ARGS], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    bare = subprocess.run([sys.executable, "-c", ARGS], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert bare.returncode == 0 and json.loads(bare.stdout.strip().splitlines()[-1])["plain"] is None, bare.stderr[-2000:]
