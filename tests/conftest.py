@@ -45,7 +45,7 @@ CHILD_TIMEOUT_S = 600
 IN_PROCESS = frozenset({"validate", "schema", "plan", "submit", "status", "logs", "events", "cancel", "ckpt"})
 
 
-def cli(*args: str, home: Path, timeout: float = 300, cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+def cli(*args: str, home: Path, timeout: float = CHILD_TIMEOUT_S, cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run `orchestrate` as a user would: its exit code, stdout and stderr. ``fresh`` (or a
     command outside IN_PROCESS, or a login-side fault injected: it ends the process) runs it
     in a new process, with ``timeout``."""

@@ -23,7 +23,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import CHILD_TIMEOUT_S, REPO, cli, write  # noqa: E402
+from conftest import REPO, cli, write  # noqa: E402
 from orchestrator.errors import SpecError  # noqa: E402
 from orchestrator.spec import yamlsrc  # noqa: E402
 from orchestrator.spec.experiment import Spec  # noqa: E402
@@ -224,7 +224,7 @@ NASTY = {
 def test_cli_validate_refuses_the_nastiest_without_a_traceback(tmp_path, home, name):
     text, overrides, words = NASTY[name]
     spec = write(tmp_path / f"{name}.yaml", text)
-    out = cli("validate", str(spec), *[a for o in overrides for a in ("--set", o)], home=home, timeout=CHILD_TIMEOUT_S)
+    out = cli("validate", str(spec), *[a for o in overrides for a in ("--set", o)], home=home)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and words in out.stderr, out.stderr[-2000:]
 
